@@ -1,0 +1,50 @@
+# The two set-up commands of the README: `make run` and `make test`.
+# Each creates the local virtual environment (.venv) by itself and reinstalls only when
+# pyproject.toml changes.
+
+PYTHON ?= python3
+VENV   ?= .venv
+BIN    := $(VENV)/bin
+
+.PHONY: run test lint format typecheck unit integration e2e bench install dev clean
+
+run: $(VENV)/.installed
+	$(BIN)/corrallm serve
+
+test: $(VENV)/.installed-dev lint typecheck
+	$(BIN)/pytest
+
+lint: $(VENV)/.installed-dev
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+format: $(VENV)/.installed-dev
+	$(BIN)/ruff check --fix .
+	$(BIN)/ruff format .
+
+typecheck: $(VENV)/.installed-dev
+	$(BIN)/mypy
+
+unit integration e2e: $(VENV)/.installed-dev
+	$(BIN)/pytest tests/$@
+
+bench: $(VENV)/.installed-dev
+	$(BIN)/python bench/overhead.py
+
+install: $(VENV)/.installed
+dev: $(VENV)/.installed-dev
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+
+$(VENV)/.installed: pyproject.toml | $(BIN)/python
+	$(BIN)/python -m pip install -q -e .
+	touch $@
+
+$(VENV)/.installed-dev: pyproject.toml | $(BIN)/python
+	$(BIN)/python -m pip install -q -e '.[dev]'
+	touch $@ $(VENV)/.installed
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

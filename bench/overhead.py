@@ -1,0 +1,594 @@
+"""What does corrallm add on the hot path? Same load, same run: direct, corrallm, nginx.
+
+    .venv/bin/python bench/overhead.py [--requests N] [--quick] [--json]
+
+Starts the fake backend (`--fast`) and a streaming one, then sends the same load straight
+to them, through `corrallm serve` (a pure-proxy config), and through nginx `proxy_pass`
+with upstream keepalive when nginx is installed. Prints markdown tables with ratios
+against the direct baseline measured in this run. See bench/README.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import itertools
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+PY = sys.executable
+PROMPT = [{"role": "user", "content": "Hello, how are you today?"}]
+STREAM_TOKENS, TOKEN_DELAY = 64, 0.001
+
+
+# --- load generator (runs in its own process: python bench/overhead.py --loadgen SPEC) ---------
+
+
+def pct(values: list[float], p: float) -> float:
+    """Nearest-rank percentile (p in 0..100); NaN for no data."""
+    if not values:
+        return float("nan")
+    s = sorted(values)
+    return s[min(len(s) - 1, max(0, round(p / 100 * len(s) + 0.5) - 1))]
+
+
+async def _post(session: Any, url: str, data: bytes) -> int:
+    async with session.post(url, data=data, headers={"content-type": "application/json"}) as r:
+        await r.read()
+        return int(r.status)
+
+
+async def _latency(spec: dict[str, Any]) -> dict[str, Any]:
+    import aiohttp
+
+    data = json.dumps(spec["body"]).encode()
+    times, errors = [], 0
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=1)) as s:
+        for _ in range(spec["warmup"]):
+            await _post(s, spec["url"], data)
+        for _ in range(spec["n"]):
+            t0 = time.perf_counter()
+            status = await _post(s, spec["url"], data)
+            times.append(time.perf_counter() - t0)
+            errors += status != 200
+    return {"times": times, "errors": errors}
+
+
+async def _throughput(spec: dict[str, Any]) -> dict[str, Any]:
+    import aiohttp
+
+    data, left = json.dumps(spec["body"]).encode(), [spec["n"]]
+    errors = [0]
+
+    async def worker(s: Any) -> None:
+        while left[0] > 0:
+            left[0] -= 1
+            errors[0] += await _post(s, spec["url"], data) != 200
+
+    conn = aiohttp.TCPConnector(limit=spec["concurrency"])
+    async with aiohttp.ClientSession(connector=conn) as s:
+        t0 = time.perf_counter()
+        await asyncio.gather(*(worker(s) for _ in range(spec["concurrency"])))
+        elapsed = time.perf_counter() - t0
+    return {"rps": spec["n"] / elapsed, "errors": errors[0], "requests": spec["n"]}
+
+
+async def _streams(spec: dict[str, Any]) -> dict[str, Any]:
+    import aiohttp
+
+    data = json.dumps(spec["body"]).encode()
+    ttft: list[float] = []
+    gaps: list[float] = []
+    errors = [0]
+    left = [spec["n"]]
+
+    async def one(s: Any) -> None:
+        t0 = time.perf_counter()
+        stamps: list[float] = []
+        async with s.post(
+            spec["url"], data=data, headers={"content-type": "application/json"}
+        ) as r:
+            if r.status != 200:
+                errors[0] += 1
+                await r.read()
+                return
+            async for line in r.content:
+                now = time.perf_counter()
+                if not stamps and line.startswith(b"data: "):
+                    ttft.append(now - t0)
+                if b'"content"' in line and b'"role"' not in line:
+                    stamps.append(now)
+        if len(stamps) != spec["tokens"]:
+            errors[0] += 1
+        gaps.extend(b - a for a, b in itertools.pairwise(stamps))
+
+    async def worker(s: Any) -> None:
+        while left[0] > 0:
+            left[0] -= 1
+            await one(s)
+
+    conn = aiohttp.TCPConnector(limit=spec["concurrency"])
+    timeout = aiohttp.ClientTimeout(total=120)
+    async with aiohttp.ClientSession(connector=conn, timeout=timeout) as s:
+        await asyncio.gather(*(worker(s) for _ in range(spec["concurrency"])))
+    return {"ttft": ttft, "gaps": gaps, "errors": errors[0]}
+
+
+def loadgen(spec_json: str) -> None:
+    spec = json.loads(spec_json)
+    with contextlib.suppress(ImportError):
+        import uvloop
+
+        uvloop.install()
+    run = {"latency": _latency, "throughput": _throughput, "streams": _streams}[spec["mode"]]
+    print(json.dumps(asyncio.run(run(spec))))
+
+
+# --- processes ------------------------------------------------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def http_status(url: str) -> int | None:
+    try:
+        with urllib.request.urlopen(url, timeout=1) as r:
+            return int(r.status)
+    except urllib.error.HTTPError as e:
+        return e.code
+    except OSError:
+        return None
+
+
+def cpu_plan() -> dict[str, set[int]]:
+    """Pin backend, proxy and load generator apart when there are >= 4 CPUs (steadier runs)."""
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < 4:
+        return {}
+    return {"backend": {cpus[0]}, "proxy": {cpus[1]}, "client": set(cpus[2:6])}
+
+
+def pinner(cpus: set[int] | None) -> Any:
+    """A preexec_fn that pins the child to `cpus` (None: no pinning)."""
+    return (lambda: os.sched_setaffinity(0, cpus)) if cpus else None
+
+
+@dataclass
+class Procs:
+    """Every process started here, each in its own group; all killed in `close()`."""
+
+    tmp: Path
+    pins: dict[str, set[int]]
+    running: list[tuple[str, subprocess.Popen[bytes]]] = field(default_factory=list)
+
+    def start(self, name: str, cmd: list[str], role: str, env: dict[str, str] | None = None) -> Any:
+        log = (self.tmp / f"{name}.log").open("wb")
+        cpus = self.pins.get(role)
+        proc = subprocess.Popen(
+            cmd,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            cwd=ROOT,
+            env={**os.environ, **(env or {})},
+            preexec_fn=pinner(cpus),
+        )
+        log.close()
+        self.running.append((name, proc))
+        return proc
+
+    def log_tail(self, name: str, lines: int = 15) -> str:
+        path = self.tmp / f"{name}.log"
+        text = path.read_text(errors="replace") if path.exists() else ""
+        return "\n".join(text.splitlines()[-lines:])
+
+    def wait_healthy(self, name: str, proc: Any, url: str, timeout: float = 30.0) -> None:
+        end = time.monotonic() + timeout
+        while http_status(url) != 200:
+            if proc.poll() is not None:
+                raise RuntimeError(f"{name} exited with {proc.returncode}:\n{self.log_tail(name)}")
+            if time.monotonic() > end:
+                raise RuntimeError(f"{name} not healthy after {timeout}s:\n{self.log_tail(name)}")
+            time.sleep(0.02)
+
+    def close(self) -> None:
+        for _, proc in reversed(self.running):
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGTERM)
+        end = time.monotonic() + 5
+        for _, proc in reversed(self.running):
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=max(0.1, end - time.monotonic()))
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)  # the whole group, even if the leader left
+            proc.wait()
+
+
+@dataclass
+class Target:
+    name: str
+    chat_url: str
+    stream_url: str
+    pid: int | None = None
+
+
+def start_corrallm(procs: Procs, fast_port: int, stream_port: int) -> Target:
+    port = free_port()
+    config = procs.tmp / "corrallm.yaml"
+    config.write_text(
+        "models:\n"
+        f"  bench: {{backends: [{{proxy: 'http://127.0.0.1:{fast_port}', maxConcurrent: 1000}}]}}\n"
+        f"  bench-stream: {{backends: [{{proxy: 'http://127.0.0.1:{stream_port}', "
+        "maxConcurrent: 1000}]}\n"
+    )
+    cmd = [
+        PY,
+        "-m",
+        "corrallm",
+        "serve",
+        "--config",
+        str(config),
+        "--home",
+        str(procs.tmp / "home"),
+    ]
+    proc = procs.start("corrallm", cmd, "proxy", env={"ADDR": f"127.0.0.1:{port}"})
+    procs.wait_healthy("corrallm", proc, f"http://127.0.0.1:{port}/health")
+    url = f"http://127.0.0.1:{port}/v1/chat/completions"
+    return Target("corrallm", url, url, proc.pid)
+
+
+NGINX_CONF = """daemon off;
+worker_processes 1;
+pid {tmp}/nginx.pid;
+error_log {tmp}/nginx-error.log warn;
+events {{ worker_connections 8192; }}
+http {{
+    access_log off;
+    client_body_temp_path {tmp}/nginx-body;
+    proxy_temp_path {tmp}/nginx-proxy;
+    fastcgi_temp_path {tmp}/nginx-fastcgi;
+    uwsgi_temp_path {tmp}/nginx-uwsgi;
+    scgi_temp_path {tmp}/nginx-scgi;
+    upstream fast {{ server 127.0.0.1:{fast}; keepalive 256; }}
+    upstream stream {{ server 127.0.0.1:{stream}; keepalive 256; }}
+    server {{
+        listen 127.0.0.1:{port};
+        location / {{
+            proxy_pass http://fast;
+            proxy_http_version 1.1;
+            proxy_set_header Connection "";
+        }}
+    }}
+    server {{
+        listen 127.0.0.1:{sport};
+        location / {{
+            proxy_pass http://stream;
+            proxy_http_version 1.1;
+            proxy_set_header Connection "";
+            proxy_buffering off;
+        }}
+    }}
+}}
+"""
+
+
+def find_nginx() -> str | None:
+    return shutil.which("nginx") or next(
+        (p for p in ("/usr/sbin/nginx", "/usr/local/sbin/nginx") if os.access(p, os.X_OK)), None
+    )
+
+
+def start_nginx(procs: Procs, nginx: str, fast_port: int, stream_port: int) -> Target:
+    port, sport = free_port(), free_port()
+    conf = procs.tmp / "nginx.conf"
+    conf.write_text(
+        NGINX_CONF.format(tmp=procs.tmp, fast=fast_port, stream=stream_port, port=port, sport=sport)
+    )
+    cmd = [nginx, "-p", str(procs.tmp), "-e", str(procs.tmp / "nginx-error.log"), "-c", str(conf)]
+    proc = procs.start("nginx", cmd, "proxy")
+    procs.wait_healthy("nginx", proc, f"http://127.0.0.1:{port}/health")
+    path = "/v1/chat/completions"
+    return Target("nginx", f"http://127.0.0.1:{port}{path}", f"http://127.0.0.1:{sport}{path}")
+
+
+# --- measurements ---------------------------------------------------------------------------
+
+
+class OutOfTime(Exception):
+    pass
+
+
+@dataclass
+class Bench:
+    args: argparse.Namespace
+    procs: Procs
+    deadline: float
+
+    def left(self) -> float:
+        left = self.deadline - time.monotonic()
+        if left < 1:
+            raise OutOfTime
+        return left
+
+    def loadgen(self, spec: dict[str, Any]) -> dict[str, Any]:
+        cpus = self.procs.pins.get("client")
+        out = subprocess.run(
+            [PY, str(Path(__file__).resolve()), "--loadgen", json.dumps(spec)],
+            capture_output=True,
+            check=True,
+            timeout=self.left(),
+            preexec_fn=pinner(cpus),
+        )
+        return dict(json.loads(out.stdout))
+
+    def latency(self, t: Target) -> dict[str, Any]:
+        body = {"model": "bench", "messages": PROMPT, "max_tokens": 16}
+        warmup = min(200, self.args.requests // 5)
+        spec = {"mode": "latency", "url": t.chat_url, "body": body, "n": self.args.requests}
+        res = self.loadgen({**spec, "warmup": warmup})
+        ms = [x * 1000 for x in res["times"]]
+        return {
+            "p50": pct(ms, 50),
+            "p99": pct(ms, 99),
+            "mean": sum(ms) / len(ms),
+            **res,
+            "times": None,
+        }
+
+    def throughput(self, t: Target, wrk: str | None) -> dict[str, Any]:
+        body = {"model": "bench", "messages": PROMPT, "max_tokens": 16}
+        c = self.args.concurrency
+        if wrk is None:
+            n = max(2000, self.args.requests * 5)
+            spec = {"mode": "throughput", "url": t.chat_url, "body": body, "concurrency": c}
+            return {**self.loadgen({**spec, "n": n}), "tool": "aiohttp"}
+        lua = self.procs.tmp / "post.lua"
+        lua.write_text(
+            'wrk.method = "POST"\nwrk.headers["Content-Type"] = "application/json"\n'
+            f"wrk.body = [[{json.dumps(body)}]]\n"
+        )
+        cpus = self.procs.pins.get("client")
+        threads = str(min(4, len(cpus) if cpus else 2))
+        seconds = str(self.args.duration)
+        for secs in ("1", seconds):  # warm-up, then the measured run
+            cmd = [wrk, "-t", threads, "-c", str(c), "-d", f"{secs}s", "-s", str(lua), t.chat_url]
+            out = subprocess.run(
+                cmd,
+                capture_output=True,
+                text=True,
+                check=True,
+                timeout=self.left(),
+                preexec_fn=pinner(cpus),
+            ).stdout
+        rps = float(re.search(r"Requests/sec:\s+([\d.]+)", out).group(1))  # type: ignore[union-attr]
+        bad = re.search(r"Non-2xx or 3xx responses:\s+(\d+)", out)
+        sock = re.search(
+            r"Socket errors: connect (\d+), read (\d+), write (\d+), timeout (\d+)", out
+        )
+        errors = int(bad.group(1)) if bad else 0
+        errors += sum(int(x) for x in sock.groups()) if sock else 0
+        total = int(re.search(r"(\d+) requests in", out).group(1))  # type: ignore[union-attr]
+        return {"rps": rps, "errors": errors, "requests": total, "tool": "wrk"}
+
+    def streams(self, t: Target) -> dict[str, Any]:
+        body = {"model": "bench-stream", "messages": PROMPT, "stream": True}
+        spec = {"mode": "streams", "url": t.stream_url, "body": body, "tokens": STREAM_TOKENS}
+        c = self.args.streams
+        res = self.loadgen({**spec, "concurrency": c, "n": c * 3})
+        ttft, gaps = [x * 1000 for x in res["ttft"]], [x * 1000 for x in res["gaps"]]
+        return {
+            "ttft_p50": pct(ttft, 50),
+            "ttft_p99": pct(ttft, 99),
+            "gap_p50": pct(gaps, 50),
+            "gap_p99": pct(gaps, 99),
+            "streams": len(ttft),
+            "errors": res["errors"],
+        }
+
+
+def rss_mb(pid: int | None, key: str) -> float | None:
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except (OSError, TypeError):
+        return None
+    m = re.search(rf"^{key}:\s+(\d+) kB", status, re.M)
+    return int(m.group(1)) / 1024 if m else None
+
+
+# --- report ---------------------------------------------------------------------------------
+
+
+def _f(x: float | None, digits: int = 2) -> str:
+    return "-" if x is None or x != x else f"{x:.{digits}f}"
+
+
+def report(res: dict[str, dict[str, Any]], notes: list[str], args: argparse.Namespace) -> str:
+    base = res.get("direct", {})
+    out = []
+    lat = {n: r["latency"] for n, r in res.items() if "latency" in r}
+    if lat:
+        out += [
+            f"### Non-streaming chat completion, concurrency 1 ({args.requests} requests)",
+            "",
+            "| path | p50 ms | p99 ms | mean ms | added p50 ms | added p99 ms | errors |",
+            "|---|---:|---:|---:|---:|---:|---:|",
+        ]
+        b = base.get("latency", {})
+        for n, r in lat.items():
+            added = [r[k] - b[k] if b and n != "direct" else None for k in ("p50", "p99")]
+            out.append(
+                f"| {n} | {_f(r['p50'], 3)} | {_f(r['p99'], 3)} | {_f(r['mean'], 3)} "
+                f"| {_f(added[0], 3)} | {_f(added[1], 3)} | {r['errors']} |"
+            )
+        out.append("")
+    thr = {n: r["throughput"] for n, r in res.items() if "throughput" in r}
+    if thr:
+        tool = next(iter(thr.values()))["tool"]
+        out += [
+            f"### Throughput, concurrency {args.concurrency} ({tool})",
+            "",
+            "| path | req/s | x direct | requests | errors |",
+            "|---|---:|---:|---:|---:|",
+        ]
+        b = base.get("throughput")
+        for n, r in thr.items():
+            ratio = r["rps"] / b["rps"] if b else None
+            out.append(f"| {n} | {r['rps']:.0f} | {_f(ratio)} | {r['requests']} | {r['errors']} |")
+        out.append("")
+    st = {n: r["streams"] for n, r in res.items() if "streams" in r}
+    if st:
+        out += [
+            f"### Streaming: {args.streams} concurrent streams x {STREAM_TOKENS} tokens, "
+            f"{TOKEN_DELAY * 1000:g} ms apart at the backend",
+            "",
+            "| path | TTFT p50 ms | TTFT p99 ms | added TTFT p50 ms | inter-chunk p50 ms "
+            "| inter-chunk p99 ms | added p50 ms | added p99 ms | streams | errors |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        ]
+        b = base.get("streams")
+        for n, r in st.items():
+            d = {k: r[k] - b[k] if b and n != "direct" else None for k in r}
+            out.append(
+                f"| {n} | {_f(r['ttft_p50'])} | {_f(r['ttft_p99'])} | {_f(d['ttft_p50'])} "
+                f"| {_f(r['gap_p50'], 3)} | {_f(r['gap_p99'], 3)} | {_f(d['gap_p50'], 3)} "
+                f"| {_f(d['gap_p99'], 3)} | {r['streams']} | {r['errors']} |"
+            )
+        out.append("")
+    out += [f"- {n}" for n in notes]
+    return "\n".join(out)
+
+
+# --- main -----------------------------------------------------------------------------------
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--requests", type=int, help="requests in the concurrency-1 run (2000)")
+    p.add_argument(
+        "--quick", action="store_true", help="a short run (300 requests, 2 s, 8 streams)"
+    )
+    p.add_argument("--concurrency", type=int, default=64, help="connections, throughput run")
+    p.add_argument("--duration", type=int, help="seconds of the wrk throughput run (5)")
+    p.add_argument("--streams", type=int, help="concurrent streams (32)")
+    p.add_argument("--max-seconds", type=float, default=600, help="wall-clock cap of the run")
+    p.add_argument("--only", default="direct,corrallm,nginx", help="paths to measure")
+    p.add_argument("--no-pin", action="store_true", help="do not pin processes to CPUs")
+    p.add_argument("--json", action="store_true", help="also print the results as JSON")
+    p.add_argument("--loadgen", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    q = args.quick
+    args.requests = args.requests or (300 if q else 2000)
+    args.duration = args.duration or (2 if q else 5)
+    args.streams = args.streams or (8 if q else 32)
+    return args
+
+
+def run(args: argparse.Namespace, tmp: Path) -> tuple[dict[str, dict[str, Any]], list[str]]:
+    pins = {} if args.no_pin else cpu_plan()
+    procs = Procs(tmp, pins)
+    notes = [
+        f"{os.cpu_count()} CPUs; "
+        + (f"pinned {pins}" if pins else "no CPU pinning")
+        + f"; Python {sys.version.split()[0]}; load generator in its own process"
+    ]
+    wanted = set(args.only.split(","))
+    try:
+        fast_port, stream_port = free_port(), free_port()
+        fake = [PY, "-m", "corrallm", "fake-backend"]
+        fast = procs.start("fast", [*fake, "--port", str(fast_port), "--fast"], "backend")
+        stream_cmd = [*fake, "--port", str(stream_port), "--model-name", "bench-stream"]
+        stream_cmd += ["--tokens", str(STREAM_TOKENS), "--token-delay", str(TOKEN_DELAY)]
+        slow = procs.start("stream", stream_cmd, "backend")
+        procs.wait_healthy("fast", fast, f"http://127.0.0.1:{fast_port}/health")
+        procs.wait_healthy("stream", slow, f"http://127.0.0.1:{stream_port}/health")
+        path = "/v1/chat/completions"
+        targets = [
+            Target(
+                "direct",
+                f"http://127.0.0.1:{fast_port}{path}",
+                f"http://127.0.0.1:{stream_port}{path}",
+            )
+        ]
+        if "corrallm" in wanted:
+            try:
+                targets.append(start_corrallm(procs, fast_port, stream_port))
+            except RuntimeError as exc:
+                notes.append(f"corrallm row skipped: `corrallm serve` did not start: {exc}")
+        nginx = find_nginx()
+        if "nginx" in wanted and nginx is None:
+            notes.append("nginx row skipped: nginx not found (install: `apt-get install -y nginx`)")
+        elif "nginx" in wanted:
+            assert nginx is not None
+            try:
+                targets.append(start_nginx(procs, nginx, fast_port, stream_port))
+            except RuntimeError as exc:
+                notes.append(f"nginx row skipped: {exc}")
+        wrk = shutil.which("wrk")
+        if wrk is None:
+            notes.append("wrk not found (`apt-get install -y wrk`): throughput from aiohttp")
+        res: dict[str, dict[str, Any]] = {t.name: {} for t in targets}
+        bench = Bench(args, procs, time.monotonic() + args.max_seconds)
+        for t in targets:
+            if t.pid:
+                res[t.name]["rss_idle_mb"] = rss_mb(t.pid, "VmRSS")
+        try:
+            for phase in ("latency", "throughput", "streams"):
+                for t in targets:
+                    print(f"... {phase}: {t.name}", file=sys.stderr, flush=True)
+                    if phase == "throughput":
+                        res[t.name][phase] = bench.throughput(t, wrk)
+                    else:
+                        res[t.name][phase] = getattr(bench, phase)(t)
+        except OutOfTime:
+            notes.append(f"stopped early: --max-seconds {args.max_seconds:g} reached")
+        for t in targets:
+            if t.pid:
+                res[t.name]["rss_peak_mb"] = rss_mb(t.pid, "VmHWM")
+                idle, peak = res[t.name]["rss_idle_mb"], res[t.name]["rss_peak_mb"]
+                notes.append(f"{t.name} RSS: idle {_f(idle, 1)} MB, peak {_f(peak, 1)} MB")
+        return res, notes
+    finally:
+        procs.close()
+
+
+def main(argv: list[str]) -> int:
+    args = parse_args(argv)
+    if args.loadgen:
+        loadgen(args.loadgen)
+        return 0
+
+    def stop(signum: int, _frame: object) -> None:
+        raise SystemExit(128 + signum)  # unwinds through the finally blocks that kill groups
+
+    signal.signal(signal.SIGTERM, stop)
+    with tempfile.TemporaryDirectory(prefix="corrallm-bench-") as tmp:
+        try:
+            res, notes = run(args, Path(tmp))
+        except subprocess.CalledProcessError as exc:
+            print(f"a load run failed: {exc}\n{exc.stderr}", file=sys.stderr)
+            return 1
+    print(report(res, notes, args))
+    if args.json:
+        print(json.dumps({"results": res, "notes": notes}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

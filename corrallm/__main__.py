@@ -1,0 +1,3 @@
+from corrallm.cli import main
+
+main()

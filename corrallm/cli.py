@@ -1,0 +1,118 @@
+"""The `corrallm` command: serve, check, config-schema, version, fake-backend."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from corrallm import __version__
+
+app = typer.Typer(
+    add_completion=False,
+    no_args_is_help=True,
+    help="One OpenAI-compatible gateway in front of many LLM and audio backends.",
+)
+
+
+def _default_config() -> Path | None:
+    local = Path("corrallm.yaml")
+    return local if local.exists() else None
+
+
+@app.command()
+def serve(
+    config: Annotated[
+        Path | None,
+        typer.Option(
+            envvar="CORRALLM_CONFIG", help="config file (default ./corrallm.yaml, else the demo)"
+        ),
+    ] = None,
+    home: Annotated[
+        Path, typer.Option(envvar="CORRALLM_HOME", help="state folder: PID records, logs, store")
+    ] = Path("~/.corrallm"),
+    health_timeout: Annotated[
+        str,
+        typer.Option(
+            envvar="CORRALLM_HEALTH_TIMEOUT", help="how long a backend may take to turn healthy"
+        ),
+    ] = "120s",
+) -> None:
+    """Serve the gateway on ADDR (default :6502)."""
+    from corrallm.config import ConfigError, load_config, load_demo_config
+    from corrallm.config.units import parse_duration
+    from corrallm.server import ServeOptions, run
+
+    try:
+        timeout = parse_duration(health_timeout)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--health-timeout") from exc
+    path = config or _default_config()
+    try:
+        cfg = load_config(path) if path else load_demo_config()
+    except ConfigError as exc:
+        typer.echo(exc.report(), err=True)
+        raise typer.Exit(2) from exc
+    options = ServeOptions(
+        addr=os.environ.get("ADDR", ":6502"),
+        home=home.expanduser(),
+        health_timeout=timeout,
+        config_path=path,
+    )
+    run(cfg, options)
+
+
+@app.command()
+def check(
+    config: Annotated[Path | None, typer.Option(help="config file to validate")] = None,
+) -> None:
+    """Validate a config; print a summary, or every problem and exit non-zero."""
+    from corrallm.config import ConfigError, load_config, load_demo_config, summary
+
+    path = config or _default_config()
+    try:
+        cfg = load_config(path) if path else load_demo_config()
+    except ConfigError as exc:
+        typer.echo(exc.report(), err=True)
+        raise typer.Exit(1) from exc
+    typer.echo(summary(cfg))
+
+
+@app.command("config-schema")
+def config_schema() -> None:
+    """Print the JSON Schema of corrallm.yaml (for editors)."""
+    from corrallm.config import json_schema
+
+    typer.echo(json.dumps(json_schema(), indent=2))
+
+
+@app.command()
+def version() -> None:
+    """Print the version."""
+    typer.echo(__version__)
+
+
+@app.command(
+    "fake-backend",
+    context_settings={"allow_extra_args": True, "ignore_unknown_options": True},
+    add_help_option=False,
+)
+def fake_backend(ctx: typer.Context) -> None:
+    """A fake OpenAI-compatible backend (see `corrallm fake-backend --help`)."""
+    from corrallm.fake_backend import main as fake_main
+
+    fake_main(list(ctx.args))
+
+
+def main() -> None:
+    # The fake backend is spawned often (tests, demo); skip Typer's import cost for it.
+    if len(sys.argv) > 1 and sys.argv[1] == "fake-backend":
+        from corrallm.fake_backend import main as fake_main
+
+        fake_main(sys.argv[2:])
+        return
+    app()

@@ -1,0 +1,186 @@
+"""The config: schema, loading (YAML, `${VAR}`, every problem at once) and a summary.
+
+from corrallm.config import load_config, ConfigError
+try:
+    config = load_config(Path("corrallm.yaml"))
+except ConfigError as exc:
+    print(exc.report())
+"""
+
+from __future__ import annotations
+
+import re
+
+from corrallm.config.loading import (
+    ConfigError,
+    json_schema,
+    load_config,
+    load_config_text,
+    load_demo_config,
+)
+from corrallm.config.schema import (
+    PORT_PLACEHOLDER,
+    Backend,
+    CommandCost,
+    Config,
+    Extension,
+    Health,
+    Ledger,
+    Model,
+    Policy,
+    Pricing,
+    PriorityGroup,
+    ProcessSpec,
+    Realtime,
+    Scheduler,
+    Server,
+    SpendLimit,
+    Sticky,
+    Swap,
+)
+from corrallm.config.units import format_size, parse_duration, parse_size
+
+__all__ = [
+    "PORT_PLACEHOLDER",
+    "Backend",
+    "CommandCost",
+    "Config",
+    "ConfigError",
+    "Extension",
+    "Health",
+    "Ledger",
+    "Model",
+    "Policy",
+    "Pricing",
+    "PriorityGroup",
+    "ProcessSpec",
+    "Realtime",
+    "Scheduler",
+    "Server",
+    "SpendLimit",
+    "Sticky",
+    "Swap",
+    "backend_id",
+    "json_schema",
+    "load_config",
+    "load_config_text",
+    "load_demo_config",
+    "parse_duration",
+    "parse_size",
+    "summary",
+]
+
+
+def backend_id(model_name: str, index: int, backend: Backend) -> str:
+    """A backend's id: its `name` if set, else `<model>#<index>` (SPEC §8 F1)."""
+    return backend.name if backend.name else f"{model_name}#{index}"
+
+
+_SECRET_FLAG = re.compile(
+    r"(?P<flag>--?[\w-]*?(?:key|token|secret|password|passwd))(?P<sep>[= ])(?P<value>\S+)",
+    re.IGNORECASE,
+)
+_URL_USERINFO = re.compile(r"(?P<scheme>https?://)[^/@\s]+@")
+
+
+def _redact(text: str) -> str:
+    """A command line or URL fit to print: no `--api-key X`, no `user:pass@`."""
+    text = _SECRET_FLAG.sub(lambda m: f"{m['flag']}{m['sep']}***", text)
+    return _URL_USERINFO.sub(lambda m: f"{m['scheme']}***@", text)
+
+
+def _policy(policy: Policy) -> str:
+    words = [w for w in ("preempt", "spill", "queue", "reject") if getattr(policy, w)]
+    return "+".join(words) or "reject"
+
+
+def _seconds(value: float) -> str:
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if value >= size and value % size == 0:
+            return f"{value / size:g}{unit}"
+    return f"{value:g}s"
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}{'' if n == 1 else 's'}"
+
+
+def _process(spec: ProcessSpec) -> str:
+    parts = []
+    if spec.server:
+        parts.append(f"on {spec.server}")
+    if spec.ram_usage:
+        parts.append(", ".join(f"{p} {format_size(n)}" for p, n in spec.ram_usage.items()))
+    if spec.supervision != "process":
+        parts.append(f"supervision {spec.supervision}")
+    if spec.cmd:
+        parts.append(f"cmd: {_redact(spec.cmd)} -> proxy {spec.proxy}")
+    elif spec.proxy:
+        parts.append(f"proxy: {_redact(spec.proxy)}")
+    return "  ".join(parts)
+
+
+def summary(config: Config) -> str:
+    """What `corrallm check` prints for a good config. Never prints key secrets."""
+    groups = dict(config.priority_groups)
+    default = config.scheduler.default_group
+    lines = [
+        f"config OK: {_count(len(config.models), 'model')}, "
+        f"{_count(len(config.servers), 'server')}, "
+        f"{_count(len(config.extensions), 'extension')}, "
+        f"{_count(len(groups), 'priority group')}, {_count(len(config.keys), 'key')}"
+    ]
+    if config.servers:
+        lines += ["", "servers:"]
+        for name, server in config.servers.items():
+            pools = (
+                ", ".join(f"{p} {format_size(n)}" for p, n in server.pools.items()) or "no pools"
+            )
+            reserve = ", ".join(f"{p} {format_size(n)}" for p, n in server.reserve.items())
+            lines.append(f"  {name}: {pools}" + (f" (reserve {reserve})" if reserve else ""))
+    if config.extensions:
+        lines += ["", "extensions:"]
+        for name, ext in config.extensions.items():
+            lines.append(f"  {name}  {_process(ext)}")
+    if config.models:
+        lines += ["", "models:"]
+    for name, model in config.models.items():
+        flags = [f"aliases: {', '.join(model.aliases)}"] if model.aliases else []
+        flags += [word for word in ("persistent", "unlisted") if getattr(model, word)]
+        if model.sticky:
+            ttl = _seconds(model.sticky.ttl) if model.sticky.ttl is not None else "none"
+            flags.append(f"sticky ttl {ttl}, evictCost {model.sticky.evict_cost}")
+        lines.append(f"  {name}" + (f"  ({'; '.join(flags)})" if flags else ""))
+        for index, backend in enumerate(model.backends):
+            head = (
+                f"    {backend_id(name, index, backend)}: type {backend.type}, "
+                f"quality {backend.quality}, maxConcurrent {backend.max_concurrent}"
+            )
+            where = f"extension {backend.extension}" if backend.extension else _process(backend)
+            lines.append(f"{head}  {where}")
+    lines += ["", "priority groups:"]
+    for name, group in groups.items():
+        policies = ", ".join(f"{t}={_policy(p)}" for t, p in group.on_saturated.items())
+        extra = []
+        if group.interruptible:
+            extra.append("interruptible")
+        if group.accept_degrade:
+            floor = group.quality_floor
+            extra.append("accepts degrade" + (f" to quality {floor}" if floor is not None else ""))
+        if group.spend_limit:
+            limit = group.spend_limit
+            extra.append(f"spend limit ${limit.usd:g} per {_seconds(limit.window)}")
+        tail = f"; {', '.join(extra)}" if extra else ""
+        mark = " (default group)" if name == default else ""
+        lines.append(
+            f"  {name}{mark}: weight {group.weight:g}, share in {group.share_currency}, "
+            f"onSaturated {policies}{tail}"
+        )
+    if default not in groups:
+        lines.append(f"  {default} (built-in default group): weight 1, queue on saturation")
+    per_group: dict[str, int] = {}
+    for group_name in config.keys.values():
+        per_group[group_name] = per_group.get(group_name, 0) + 1
+    mapped = ", ".join(f"{g}: {n}" for g, n in sorted(per_group.items()))
+    lines += ["", f"keys: {len(config.keys)}" + (f" ({mapped})" if mapped else "")]
+    return "\n".join(lines)

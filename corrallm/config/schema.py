@@ -1,0 +1,275 @@
+"""The whole `corrallm.yaml` schema (SPEC §2) as Pydantic models.
+
+Field names are snake_case in Python and camelCase in YAML (the alias). Durations are
+seconds (float) and sizes are bytes (int) once parsed. Cross-field rules (unknown
+servers, pools, port clashes…) live in `validation.py` so that every problem is
+reported at once with its YAML path.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Annotated, Any, Literal
+
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    WithJsonSchema,
+    model_validator,
+)
+from pydantic.alias_generators import to_camel
+
+from corrallm.config.units import parse_duration, parse_size
+
+
+def _finite(parse: Any) -> Any:
+    # `.inf` and `.nan` are YAML floats; no duration or size is infinite.
+    def check(value: object) -> object:
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ValueError(f"expected a finite number, got {value!r}")
+        return parse(value)
+
+    return check
+
+
+# The JSON Schema (for editors) must accept what the YAML accepts: `30s` as well as 30.
+Duration = Annotated[
+    float,
+    BeforeValidator(_finite(parse_duration)),
+    WithJsonSchema(
+        {
+            "anyOf": [
+                {"type": "number", "minimum": 0},
+                {"type": "string", "pattern": r"^\s*\d+(\.\d+)?\s*(ms|s|m|h|d)?\s*$"},
+            ],
+            "description": "seconds, or 500ms / 30s / 5m / 2h / 30d",
+        }
+    ),
+]
+Size = Annotated[
+    int,
+    BeforeValidator(_finite(parse_size)),
+    WithJsonSchema(
+        {
+            "anyOf": [
+                {"type": "integer", "minimum": 0},
+                {"type": "string", "pattern": r"^\s*\d+(\.\d+)?\s*([kmgtpKMGTP]?[iI]?[bB])?\s*$"},
+            ],
+            "description": "bytes, or 512MB / 1.5GB / 32GB / 1GiB",
+        }
+    ),
+]
+
+
+def _scalar_text(value: object) -> object:
+    # `env: {CUDA_VISIBLE_DEVICES: 0}` means the text "0"; YAML booleans stay errors.
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        return str(value)
+    return value
+
+
+# Values of `env` and `headers`: text, numbers accepted as their text.
+Text = Annotated[
+    str,
+    BeforeValidator(_scalar_text),
+    WithJsonSchema({"type": ["string", "number"]}),
+]
+ProxyTarget = Annotated[
+    str | None,
+    WithJsonSchema(
+        {
+            "anyOf": [
+                {"type": "integer", "minimum": 1, "maximum": 65535},
+                {"type": "string"},
+                {"type": "null"},
+            ],
+            "description": "a port on 127.0.0.1 (5800), an http(s):// URL, or ${PORT}",
+        }
+    ),
+]
+
+PORT_PLACEHOLDER = "${PORT}"
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(
+        extra="forbid",
+        alias_generator=to_camel,
+        populate_by_name=True,
+        frozen=True,
+    )
+
+
+class CommandCost(Section):
+    """A cost class; a backend's `type` names one (SPEC §9 C1)."""
+
+    generate_watts_per_token: float = Field(0.0, ge=0, description="Wh per generated token")
+    process_watts_per_token: float = Field(0.0, ge=0, description="Wh per prompt token")
+    modality: Literal["text", "audio"] = "text"
+    process_watts_per_byte: float = Field(0.0, ge=0, description="Wh per audio byte in")
+    generate_watts_per_byte: float = Field(0.0, ge=0, description="Wh per audio byte out")
+    paid: bool = False
+
+
+class Server(Section):
+    pools: dict[str, Size] = Field(default_factory=dict, description="capacity vector")
+    reserve: dict[str, Size] = Field(default_factory=dict, description="never handed out")
+
+
+class Health(Section):
+    path: str = "/health"
+    expect_status: list[int] = Field(default_factory=lambda: [200], min_length=1)
+
+
+class Swap(Section):
+    load_seconds: float | None = Field(None, ge=0, description="expected load time")
+    load_watts: float = Field(0.0, ge=0, description="power drawn while loading")
+
+
+class Pricing(Section):
+    input_per_million: float = Field(0.0, ge=0)
+    output_per_million: float = Field(0.0, ge=0)
+
+
+Supervision = Literal["process", "command", "docker", "systemd"]
+
+
+class ProcessSpec(Section):
+    """What it takes to run one backend process (a model backend or an extension)."""
+
+    cmd: str | None = None
+    proxy: ProxyTarget = Field(None, description="port on 127.0.0.1, URL, or ${PORT}")
+    server: str | None = None
+    ram_usage: dict[str, Size] = Field(default_factory=dict)
+    swap: Swap = Field(default_factory=Swap)
+    health: Health = Field(default_factory=Health)
+    env: dict[str, Text] = Field(default_factory=dict)
+    cwd: str | None = None
+    stop: str | None = Field(None, description="stop command for supervision: command")
+    supervision: Supervision = "process"
+    docker_container: str | None = None
+    systemd_unit: str | None = None
+    stop_grace: Duration = 10.0
+
+    @model_validator(mode="before")
+    @classmethod
+    def _proxy_as_text(cls, data: object) -> object:
+        # `proxy: 5800` is a port; keep every form as text and resolve it in one place.
+        if isinstance(data, dict):
+            proxy = data.get("proxy")
+            if isinstance(proxy, int) and not isinstance(proxy, bool):
+                data = {**data, "proxy": str(proxy)}
+        return data
+
+
+class Backend(ProcessSpec):
+    name: str | None = None
+    type: str = "chat"
+    max_concurrent: int = Field(1, ge=1)
+    quality: int = 100
+    max_tokens: int | None = Field(None, ge=1)
+    model: str | None = Field(None, description="model name sent upstream")
+    headers: dict[str, Text] = Field(default_factory=dict)
+    pricing: Pricing | None = None
+    cost_factor: float = Field(1.0, ge=0)
+    modes: list[Literal["batch", "realtime"]] = Field(default_factory=list)
+    diarization: bool = False
+    extension: str | None = None
+
+
+class Extension(ProcessSpec):
+    """One process hosting several models (SPEC §4 L8)."""
+
+
+class Sticky(Section):
+    ttl: Duration | None = None
+    evict_cost: Literal["low", "medium", "high"] = "medium"
+
+
+class Model(Section):
+    backends: list[Backend] = Field(min_length=1)
+    persistent: bool = False
+    sticky: Sticky | None = None
+    aliases: list[str] = Field(default_factory=list)
+    unlisted: bool = False
+
+
+POLICY_WORDS = ("preempt", "spill", "queue", "reject")
+
+
+def _policy_json_schema(schema: dict[str, Any]) -> None:
+    # A policy is an object or a single word (SPEC §6 S2).
+    obj = dict(schema)
+    schema.clear()
+    schema["title"] = obj.pop("title", "Policy")
+    schema["anyOf"] = [{"type": "string", "enum": list(POLICY_WORDS)}, obj]
+
+
+class Policy(Section):
+    model_config = ConfigDict(json_schema_extra=_policy_json_schema)
+
+    preempt: bool = False
+    spill: bool = False
+    queue: bool = False
+    reject: bool = False
+
+    @model_validator(mode="before")
+    @classmethod
+    def _single_word(cls, data: object) -> object:
+        if isinstance(data, str):
+            if data not in POLICY_WORDS:
+                raise ValueError(
+                    f"unknown policy {data!r}: use preempt, spill, queue or reject, "
+                    "or an object such as {queue: true, spill: true}"
+                )
+            return {data: True}
+        return data
+
+
+class SpendLimit(Section):
+    usd: float = Field(ge=0)
+    window: Duration = 86400.0
+
+
+class PriorityGroup(Section):
+    weight: float = Field(1.0, gt=0)
+    share_currency: Literal["requests", "slotSeconds", "tokens", "dollars"] = "requests"
+    interruptible: bool = False
+    on_saturated: dict[str, Policy] = Field(default_factory=lambda: {"default": Policy(queue=True)})
+    accept_degrade: bool = False
+    quality_floor: int | None = None
+    spend_limit: SpendLimit | None = None
+    max_wait: Duration | None = None
+    max_queue_depth: int | None = Field(None, ge=0)
+
+
+class Scheduler(Section):
+    max_wait: Duration = 60.0
+    max_queue_depth: int = Field(64, ge=0)
+    default_group: str = "default"
+    require_keys: bool = False
+
+
+class Realtime(Section):
+    idle_timeout: Duration = 60.0
+    max_duration: Duration = 3600.0
+
+
+class Ledger(Section):
+    gpu_hour_price: float | None = Field(None, ge=0)
+
+
+class Config(Section):
+    cost_per_kwh: float = Field(0.0, ge=0)
+    command_costs: dict[str, CommandCost] = Field(default_factory=dict)
+    servers: dict[str, Server] = Field(default_factory=dict)
+    extensions: dict[str, Extension] = Field(default_factory=dict)
+    models: dict[str, Model] = Field(default_factory=dict)
+    priority_groups: dict[str, PriorityGroup] = Field(default_factory=dict)
+    keys: dict[str, str] = Field(default_factory=dict, description="API key -> group")
+    scheduler: Scheduler = Field(default_factory=Scheduler)
+    realtime: Realtime = Field(default_factory=Realtime)
+    ledger: Ledger = Field(default_factory=Ledger)
+    max_body_size: Size = 64 * 10**6

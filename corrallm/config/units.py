@@ -1,0 +1,61 @@
+"""Durations and sizes as operators write them: `500ms`, `30s`, `1.5GB`, `1GiB`, or numbers."""
+
+from __future__ import annotations
+
+import re
+
+_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h|d)?\s*$")
+_DURATION_SECONDS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0, None: 1.0}
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgtp]?i?b)?\s*$", re.IGNORECASE)
+_SIZE_BYTES = {
+    "b": 1,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+    "pb": 10**15,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+    "pib": 2**50,
+}
+
+
+def parse_duration(value: object) -> float:
+    """Seconds from `500ms`, `30s`, `5m`, `2h`, `30d` or a number of seconds."""
+    if isinstance(value, bool):
+        raise ValueError(f"expected a duration like 30s or 5m, got {value!r}")
+    if isinstance(value, int | float):
+        if value < 0:
+            raise ValueError(f"a duration cannot be negative, got {value!r}")
+        return float(value)
+    if isinstance(value, str):
+        match = _DURATION.match(value)
+        if match:
+            return float(match.group(1)) * _DURATION_SECONDS[match.group(2)]
+    raise ValueError(f"expected a duration like 500ms, 30s, 5m, 2h, 30d or seconds, got {value!r}")
+
+
+def parse_size(value: object) -> int:
+    """Bytes from `512MB`, `1.5GB`, `1GiB` or a number of bytes."""
+    if isinstance(value, bool):
+        raise ValueError(f"expected a size like 512MB or 1GiB, got {value!r}")
+    if isinstance(value, int | float):
+        if value < 0:
+            raise ValueError(f"a size cannot be negative, got {value!r}")
+        return int(value)
+    if isinstance(value, str):
+        match = _SIZE.match(value)
+        if match:
+            unit = (match.group(2) or "b").lower()
+            return int(float(match.group(1)) * _SIZE_BYTES[unit])
+    raise ValueError(f"expected a size like 512MB, 1.5GB, 1GiB or bytes, got {value!r}")
+
+
+def format_size(n: int) -> str:
+    for unit, size in (("GB", 10**9), ("MB", 10**6), ("kB", 10**3)):
+        if n >= size:
+            return f"{n / size:.3g}{unit}"
+    return f"{n}B"

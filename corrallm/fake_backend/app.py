@@ -1,0 +1,326 @@
+"""The fake backend's ASGI app: routes, loading gate, counters and the debug record."""
+
+from __future__ import annotations
+
+import itertools
+import os
+import re
+import secrets
+import sys
+import time
+from collections import deque
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import orjson
+
+from corrallm.fake_backend import responses as r
+from corrallm.fake_backend.exchange import Exchange, Receive, Scope, Send
+from corrallm.fake_backend.options import Options
+
+Handler = Callable[[Exchange], Awaitable[None]]
+HEALTH_PATHS = frozenset({"/health", "/healthz", "/v1/health"})
+HEALTH_OK = b'{"status":"ok"}'
+INDEX_HTML = (
+    b"<!doctype html><html><head><title>corrallm fake backend</title></head>"
+    b"<body><h1>corrallm fake backend</h1><p>An OpenAI-compatible test server.</p></body></html>"
+)
+_FORM_FIELD = re.compile(rb'name="([A-Za-z_]+)"\r\n\r\n([^\r]*)\r\n')
+
+
+class BadRequest(Exception):
+    """A client error answered 400 in the OpenAI error shape."""
+
+
+class FakeBackend:
+    """Raw ASGI app. `log` prints one line; `ready_at` is when 'loading' ends (monotonic)."""
+
+    def __init__(self, opts: Options, log: Callable[[str], None], ready_at: float) -> None:
+        self.opts = opts
+        self.log = log
+        self.ready_at = ready_at
+        self.requests: deque[dict[str, Any]] = deque(maxlen=100)
+        self.stats = {"in_flight": 0, "max_in_flight": 0, "completed": 0, "cancelled": 0}
+        self.health_checks = 0
+        self._ids = itertools.count(1)
+        self._id_prefix = secrets.token_hex(4)
+        self._cache: dict[tuple[Any, ...], Any] = {}
+        chat, completions = self._chat, self._completions
+        self.routes: dict[str, tuple[str, Handler]] = {
+            "/v1/chat/completions": ("POST", chat),
+            "/chat/completions": ("POST", chat),
+            "/v1/completions": ("POST", completions),
+            "/completions": ("POST", completions),
+            "/v1/embeddings": ("POST", self._embeddings),
+            "/embeddings": ("POST", self._embeddings),
+            "/v1/rerank": ("POST", self._rerank),
+            "/rerank": ("POST", self._rerank),
+            "/v1/audio/transcriptions": ("POST", self._transcription),
+            "/v1/audio/translations": ("POST", self._transcription),
+            "/v1/audio/speech": ("POST", self._speech),
+            "/v1/models": ("GET", self._models),
+            "/models": ("GET", self._models),
+            "/props": ("GET", self._props),
+            "/": ("GET", self._index),
+        }
+
+    def loaded(self) -> bool:
+        return time.monotonic() >= self.ready_at
+
+    # --- dispatch ----------------------------------------------------------------------------
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return
+        path: str = scope["path"]
+        ex = Exchange(scope, receive, send)
+        if path in HEALTH_PATHS:
+            self.health_checks += 1
+            if self.loaded():
+                await ex.respond(200, HEALTH_OK)
+            else:
+                await ex.respond(503, r.LOADING_BODY)
+            return
+        if path.startswith("/debug/"):
+            await self._debug(ex, path)
+            return
+        stats = self.stats
+        stats["in_flight"] += 1
+        stats["max_in_flight"] = max(stats["max_in_flight"], stats["in_flight"])
+        try:
+            await ex.read_body()
+            if not self.opts.fast:
+                self._record(ex)
+            await self._dispatch(ex, path)
+        except ConnectionError:
+            pass
+        finally:
+            ex.close()
+            stats["in_flight"] -= 1
+            if ex.finished:
+                stats["completed"] += 1
+            else:
+                stats["cancelled"] += 1
+            if not self.opts.fast:
+                self.log(
+                    f"srv  log_server_r: request: {scope['method']} {path} {ex.status or 499}"
+                    + ("" if ex.finished else " (client disconnected)")
+                )
+
+    async def _dispatch(self, ex: Exchange, path: str) -> None:
+        route = self.routes.get(path)
+        if route is None:
+            await ex.respond(404, r.error_body(f"File Not Found: {path}", "not_found_error", 404))
+            return
+        method, handler = route
+        if ex.scope["method"] != method:
+            msg = f"{ex.scope['method']} {path} is not allowed; use {method}"
+            await ex.respond(405, r.error_body(msg, "invalid_request_error", 405))
+            return
+        if not self.loaded():
+            await ex.respond(503, r.LOADING_BODY)
+            return
+        try:
+            await handler(ex)
+        except BadRequest as exc:
+            if not ex.status:
+                await ex.respond(400, r.error_body(str(exc), "invalid_request_error", 400))
+        except Exception as exc:  # a bug here must still answer, like a real server would
+            if ex.status:
+                raise
+            print(f"error: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
+            await ex.respond(500, r.error_body(f"{type(exc).__name__}: {exc}", "server_error", 500))
+
+    def _record(self, ex: Exchange) -> None:
+        scope = ex.scope
+        headers: dict[str, str] = {}
+        for k, v in scope["headers"]:
+            key, value = k.decode("latin-1"), v.decode("latin-1")
+            headers[key] = f"{headers[key]}, {value}" if key in headers else value
+        self.requests.append(
+            {
+                "time": time.time(),
+                "method": scope["method"],
+                "path": scope["path"],
+                "query": scope["query_string"].decode("latin-1"),
+                "headers": headers,
+                "body": ex.json_or_none(),
+            }
+        )
+
+    async def _debug(self, ex: Exchange, path: str) -> None:
+        method = ex.scope["method"]
+        if path == "/debug/requests" and method == "DELETE":
+            self.requests.clear()
+            await ex.respond(200, b'{"cleared":true}')
+        elif path == "/debug/requests":
+            await ex.respond(200, orjson.dumps(list(self.requests)))
+        elif path == "/debug/stats":
+            body = {**self.stats, "health_checks": self.health_checks, "loaded": self.loaded()}
+            await ex.respond(200, orjson.dumps(body))
+        else:
+            await ex.respond(404, r.error_body(f"File Not Found: {path}", "not_found_error", 404))
+
+    # --- helpers -----------------------------------------------------------------------------
+
+    def _body(self, ex: Exchange) -> dict[str, Any]:
+        try:
+            body = ex.json()
+        except ValueError as exc:
+            raise BadRequest(f"Malformed JSON in the request body: {exc}") from exc
+        if not isinstance(body, dict):
+            raise BadRequest("The request body must be a JSON object")
+        return body
+
+    def _model(self, body: dict[str, Any]) -> str:
+        model = body.get("model")
+        return model if isinstance(model, str) and model else self.opts.model_name
+
+    def _new_id(self, prefix: str) -> tuple[str, int]:
+        if self.opts.fast:
+            return f"{prefix}-fast", 0
+        return f"{prefix}-{self._id_prefix}{next(self._ids)}", int(time.time())
+
+    # --- generation --------------------------------------------------------------------------
+
+    async def _chat(self, ex: Exchange) -> None:
+        body = self._body(ex)
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages:
+            raise BadRequest("'messages' is required and must be a non-empty list")
+        await self._generate(ex, body, chat=True, prompt=r.count_words(messages))
+
+    async def _completions(self, ex: Exchange) -> None:
+        body = self._body(ex)
+        if "prompt" not in body:
+            raise BadRequest("'prompt' is required")
+        await self._generate(ex, body, chat=False, prompt=r.count_words(body["prompt"]))
+
+    async def _generate(self, ex: Exchange, body: dict[str, Any], chat: bool, prompt: int) -> None:
+        opts = self.opts
+        n, reason = r.plan(body, opts.tokens)
+        model = self._model(body)
+        stream = body.get("stream") is True
+        so = body.get("stream_options")
+        include_usage = stream and isinstance(so, dict) and so.get("include_usage") is True
+        key = (chat, stream, include_usage, n, reason, prompt, model)
+        cached = self._cache.get(key) if opts.fast else None
+        if cached is None:
+            rid, created = self._new_id("chatcmpl" if chat else "cmpl")
+            if stream:
+                cached = r.stream_events(
+                    chat, rid, created, model, n, reason, prompt, include_usage
+                )
+            else:
+                build = r.chat_completion if chat else r.text_completion
+                cached = build(rid, created, model, n, reason, prompt)
+            if opts.fast:
+                if len(self._cache) > 512:
+                    self._cache.clear()
+                self._cache[key] = cached
+        if not stream:
+            if await ex.pause(opts.latency + n * opts.token_delay):
+                return
+            await ex.respond(200, cached)
+            return
+        events, first = cached
+        await self._stream(ex, events, range(first, first + n))
+
+    async def _stream(self, ex: Exchange, events: list[bytes], token_span: range) -> None:
+        """Send every event; `token_span` are the token events, spaced by --token-delay."""
+        opts = self.opts
+        delay, crash = opts.token_delay, opts.crash_after_tokens
+        if not opts.fast or delay or opts.latency:
+            ex.watch_disconnect()
+        if await ex.pause(opts.latency):
+            return
+        await ex.start_stream()
+        if crash == 0:
+            self._crash(0)
+        crash_at = token_span.start + crash - 1 if crash is not None else -1
+        for i, event in enumerate(events):
+            if delay and i in token_span and i > token_span.start and await ex.pause(delay):
+                return
+            if not await ex.write(event):
+                return
+            if i == crash_at:
+                self._crash(token_span.index(i) + 1)
+        await ex.end_stream()
+
+    def _crash(self, sent: int) -> None:
+        self.log(f"srv  crash: exiting after {sent} token chunks (--crash-after-tokens)")
+        sys.stdout.flush()
+        os._exit(1)
+
+    # --- other endpoints ---------------------------------------------------------------------
+
+    async def _embeddings(self, ex: Exchange) -> None:
+        body = self._body(ex)
+        if "input" not in body:
+            raise BadRequest("'input' is required")
+        if await ex.pause(self.opts.latency):
+            return
+        await ex.respond(200, r.embeddings(body, self._model(body), self.opts.embedding_dim))
+
+    async def _rerank(self, ex: Exchange) -> None:
+        body = self._body(ex)
+        docs = body.get("documents")
+        if not isinstance(body.get("query"), str) or not isinstance(docs, list):
+            raise BadRequest("'query' (a string) and 'documents' (a list) are required")
+        if await ex.pause(self.opts.latency):
+            return
+        await ex.respond(200, r.rerank(body, self._model(body)))
+
+    async def _transcription(self, ex: Exchange) -> None:
+        fields = {k.decode(): v.decode("utf-8", "replace") for k, v in _FORM_FIELD.findall(ex.body)}
+        text = f"This is a fake transcript ({len(ex.body)} request bytes)."
+        if await ex.pause(self.opts.latency):
+            return
+        if fields.get("response_format") == "text":
+            await ex.respond(200, text.encode(), b"text/plain; charset=utf-8")
+        else:
+            await ex.respond(200, orjson.dumps({"text": text}))
+
+    async def _speech(self, ex: Exchange) -> None:
+        body = self._body(ex)
+        if not isinstance(body.get("input"), str):
+            raise BadRequest("'input' (a string) is required")
+        ex.watch_disconnect()
+        if await ex.pause(self.opts.latency):
+            return
+        words = max(1, len(body["input"].split()))
+        frame = b"\x00\x00" * 1600  # 0.1 s of silence at 16 kHz per word
+        await ex.start_stream([(b"content-type", b"audio/wav")])
+        if not await ex.write(r.wav_header(len(frame) * words)):
+            return
+        for i in range(words):
+            if i and self.opts.token_delay and await ex.pause(self.opts.token_delay):
+                return
+            if not await ex.write(frame):
+                return
+        await ex.end_stream()
+
+    async def _models(self, ex: Exchange) -> None:
+        opts = self.opts
+        model = {
+            "id": opts.model_name,
+            "object": "model",
+            "created": 0,
+            "owned_by": "corrallm-fake",
+            "meta": {"n_ctx_train": opts.n_ctx},
+        }
+        await ex.respond(200, orjson.dumps({"object": "list", "data": [model]}))
+
+    async def _props(self, ex: Exchange) -> None:
+        opts = self.opts
+        props = {
+            # Like llama-server: n_ctx here is the per-slot context (n_ctx / n_slots).
+            "default_generation_settings": {"n_ctx": opts.n_ctx_slot, "n_predict": -1},
+            "total_slots": opts.n_slots,
+            "model_path": opts.model_file,
+            "build_info": "corrallm-fake",
+        }
+        await ex.respond(200, orjson.dumps(props))
+
+    async def _index(self, ex: Exchange) -> None:
+        await ex.respond(200, INDEX_HTML, b"text/html; charset=utf-8")

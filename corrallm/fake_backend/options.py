@@ -1,0 +1,99 @@
+"""Command-line flags of `corrallm fake-backend`, parsed into one frozen `Options`."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Options:
+    port: int
+    host: str = "127.0.0.1"
+    model_name: str = "fake"
+    load_seconds: float = 0.0
+    tokens: int = 16
+    token_delay: float = 0.0
+    latency: float = 0.0
+    n_ctx: int = 4096
+    n_slots: int = 1
+    embedding_dim: int = 8
+    fast: bool = False
+    exit_after_seconds: float | None = None
+    exit_code: int | None = None
+    crash_after_tokens: int | None = None
+    ignore_sigterm: bool = False
+
+    @property
+    def n_ctx_slot(self) -> int:
+        return max(1, self.n_ctx // max(1, self.n_slots))
+
+    @property
+    def model_file(self) -> str:
+        return f"{self.model_name}.gguf"
+
+
+def _seconds(text: str) -> float:
+    value = float(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0 seconds, got {text}")
+    return value
+
+
+def _count(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="corrallm fake-backend",
+        description=(
+            "A fake OpenAI-compatible backend that behaves like llama-server: health 503 while "
+            "'loading', chat/completions/embeddings/rerank/audio, SSE streaming with usage, "
+            "llama-server-like log lines. Used by the demo config, the tests and the benchmarks."
+        ),
+    )
+    seconds, count = _seconds, _count
+    p.add_argument("--port", type=int, required=True, help="TCP port to listen on")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    p.add_argument("--model-name", default="fake", help="model id reported by /v1/models")
+    p.add_argument(
+        "--load-seconds",
+        type=seconds,
+        default=0.0,
+        help="answer 503 'Loading model' for this long after start (port is bound at once)",
+    )
+    p.add_argument("--tokens", type=count, default=16, help="completion tokens per request")
+    p.add_argument("--token-delay", type=seconds, default=0.0, help="seconds between tokens")
+    p.add_argument("--latency", type=seconds, default=0.0, help="seconds before the first byte")
+    p.add_argument("--n-ctx", type=count, default=4096, help="context size printed and in /props")
+    p.add_argument("--n-slots", type=count, default=1, help="slots printed and in /props")
+    p.add_argument("--embedding-dim", type=count, default=8, help="length of embedding vectors")
+    p.add_argument(
+        "--fast",
+        action="store_true",
+        help="benchmark mode: cached response bytes, no per-request log or debug record",
+    )
+    p.add_argument(
+        "--exit-after-seconds",
+        type=seconds,
+        default=None,
+        help="print a load error and exit (code 3, or --exit-code) after this long; 0 = at once",
+    )
+    p.add_argument("--exit-code", type=int, default=None, help="exit code for --exit-after-seconds")
+    p.add_argument(
+        "--crash-after-tokens",
+        type=count,
+        default=None,
+        help="in a stream, kill the process (exit 1) after sending this many token chunks",
+    )
+    p.add_argument("--ignore-sigterm", action="store_true", help="ignore SIGTERM (needs SIGKILL)")
+    return p
+
+
+def parse_options(argv: list[str]) -> Options:
+    ns = build_parser().parse_args(argv)
+    return Options(**vars(ns))

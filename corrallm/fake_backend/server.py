@@ -1,0 +1,132 @@
+"""Process side of the fake backend: bind, llama-server-like log lines, uvicorn, signals."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import socket
+import sys
+import time
+from types import FrameType
+
+import uvicorn
+
+from corrallm.fake_backend.app import FakeBackend
+from corrallm.fake_backend.options import Options, parse_options
+
+
+def log(line: str) -> None:
+    """Print one line and flush it (the gateway reads our stdout through a pipe)."""
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
+
+
+def bind(host: str, port: int) -> socket.socket:
+    family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(addr)
+    except OSError:
+        sock.close()
+        raise
+    sock.listen(2048)
+    sock.setblocking(False)
+    return sock
+
+
+def banner(opts: Options) -> list[str]:
+    """What llama-server prints while loading, in the formats corrallm's log parser reads."""
+    return [
+        f"srv    load_model: loading model '{opts.model_file}'",
+        f"llama_model_loader: loaded meta data from {opts.model_file} (fake)",
+        "llama_context: constructing llama_context",
+        f"llama_context: n_seq_max     = {opts.n_slots}",
+        f"llama_context: n_ctx         = {opts.n_ctx}",
+        f"llama_context: n_ctx_per_seq = {opts.n_ctx_slot}",
+        "llama_context: n_batch       = 2048",
+        f"srv    load_model: initializing slots, n_slots = {opts.n_slots}",
+        *(
+            f"slot   load_model: id {i:2d} | task -1 | new slot n_ctx_slot = {opts.n_ctx_slot}"
+            for i in range(opts.n_slots)
+        ),
+    ]
+
+
+def main(argv: list[str]) -> None:
+    started = time.monotonic()
+    opts = parse_options(argv)
+    log(f"build: 0 (corrallm-fake) with Python {sys.version.split()[0]}; pid {os.getpid()}")
+    exit_code = 3 if opts.exit_code is None else opts.exit_code
+    if opts.exit_after_seconds == 0:
+        log(f"error: failed to load model '{opts.model_file}' (--exit-after-seconds 0)")
+        sys.exit(exit_code)
+    try:
+        sock = bind(opts.host, opts.port)
+    except OSError as exc:
+        log(
+            f"error: couldn't bind HTTP server socket, hostname: {opts.host}, "
+            f"port: {opts.port}: {exc}"
+        )
+        sys.exit(1)
+    log(f"main: HTTP server is listening, hostname: {opts.host}, port: {opts.port}")
+    log(f"main: server is listening on http://{opts.host}:{opts.port} - starting the main loop")
+    for line in banner(opts):
+        log(line)
+    try:
+        import uvloop
+
+        loop_factory = uvloop.new_event_loop
+    except ImportError:  # pragma: no cover - uvloop is a dependency on Linux
+        loop_factory = None
+    with asyncio.Runner(loop_factory=loop_factory) as runner:
+        runner.run(_serve(opts, sock, started + opts.load_seconds, exit_code))
+
+
+async def _serve(opts: Options, sock: socket.socket, ready_at: float, exit_code: int) -> None:
+    loop = asyncio.get_running_loop()
+    app = FakeBackend(opts, log, ready_at)
+
+    def loaded() -> None:
+        log("main: model loaded")
+        log("srv  update_slots: all slots are idle")
+
+    loop.call_later(max(0.0, ready_at - time.monotonic()), loaded)
+    if opts.exit_after_seconds is not None:
+
+        def die() -> None:
+            log(f"error: failed to load model '{opts.model_file}' (--exit-after-seconds)")
+            os._exit(exit_code)
+
+        loop.call_later(opts.exit_after_seconds, die)
+
+    config = uvicorn.Config(
+        app,
+        http="httptools",
+        ws="none",
+        lifespan="off",
+        interface="asgi3",
+        access_log=False,
+        log_config=None,
+        log_level="warning",
+        server_header=False,
+        timeout_graceful_shutdown=1,
+        backlog=2048,
+    )
+    server = _Server(config, ignore_sigterm=opts.ignore_sigterm)
+    await server.serve(sockets=[sock])
+
+
+class _Server(uvicorn.Server):
+    def __init__(self, config: uvicorn.Config, ignore_sigterm: bool) -> None:
+        super().__init__(config)
+        self.ignore_sigterm = ignore_sigterm
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        # A signal handler may interrupt a buffered print: write the raw fd instead.
+        if self.ignore_sigterm and sig == signal.SIGTERM:
+            os.write(1, b"main: received SIGTERM, ignoring it (--ignore-sigterm)\n")
+            return
+        os.write(1, f"main: received signal {sig}, shutting down\n".encode())
+        super().handle_exit(sig, frame)

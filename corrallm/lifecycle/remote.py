@@ -1,0 +1,32 @@
+"""A backend with no `cmd` is a pure proxy: always ready, never spawned (SPEC §4 L7)."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from corrallm.lifecycle.state import State
+
+
+@dataclass
+class RemoteEndpoint:
+    id: str
+    base_url: str
+    state: State = State.READY
+    in_flight: int = 0
+    last_used: float = 0.0
+    pid: None = None
+
+    async def ensure_ready(self) -> None:
+        return None
+
+    def available(self) -> bool:
+        return True
+
+    def enter(self) -> bool:
+        self.in_flight += 1
+        return True
+
+    def leave(self) -> None:
+        self.in_flight -= 1
+        self.last_used = time.monotonic()

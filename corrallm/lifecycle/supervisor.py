@@ -1,0 +1,341 @@
+"""One supervisor per backend process: the sole owner of its state machine (SPEC §4).
+
+Callers never read the state and act on it; they ask: `ensure_ready()` (spawn if needed,
+coalescing concurrent cold requests into one start), `enter()`/`leave()` around each
+forwarded request, `load()`, `unload()`, `stop()`. Spawning, probing and the clock are
+injected seams, as in honcho's Manager.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from corrallm.config.schema import PORT_PLACEHOLDER, ProcessSpec
+from corrallm.lifecycle import process
+from corrallm.lifecycle.logs import LogBuffer
+from corrallm.lifecycle.pidrecords import PidRecord, PidRecords, file_name
+from corrallm.lifecycle.state import BUSY, State, check_transition
+
+Probe = Callable[[str], Awaitable[int | None]]
+Listener = Callable[["Supervisor", State, State], None]
+
+HEALTH_POLL_SECONDS = 0.1  # L1: readiness seen within 250 ms of the backend turning healthy
+LOG_TAIL_LINES = 15
+
+
+class LifecycleError(Exception):
+    """Something a caller can be told about a backend's lifecycle, in words."""
+
+
+class BackendFailed(LifecycleError):
+    """The backend could not be started; the message carries its log tail."""
+
+
+class BackendPaused(LifecycleError):
+    pass
+
+
+class LifecycleBusy(LifecycleError):
+    """Another lifecycle action on this process is under way (an explicit load gets 409)."""
+
+
+@dataclass
+class Backoff:
+    """Failed starts back off before the next try: base, doubling, capped."""
+
+    base: float = 1.0
+    cap: float = 30.0
+
+    def delay(self, failures: int) -> float:
+        return min(self.cap, self.base * 2 ** max(0, failures - 1))
+
+
+def resolve_url(proxy: str, port: int | None) -> str:
+    if proxy.startswith(("http://", "https://")):
+        return proxy.rstrip("/")
+    return f"http://127.0.0.1:{port if proxy == PORT_PLACEHOLDER else int(proxy)}"
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+@dataclass
+class Supervisor:
+    id: str
+    spec: ProcessSpec
+    probe: Probe
+    home: Path
+    health_timeout: float = 120.0
+    backoff: Backoff = field(default_factory=Backoff)
+    clock: Callable[[], float] = time.monotonic
+    listeners: list[Listener] = field(default_factory=list)
+
+    state: State = State.STOPPED
+    in_flight: int = 0
+    last_used: float = 0.0
+    last_error: str | None = None
+    last_load_seconds: float | None = None
+    failures: int = 0
+    retry_at: float = 0.0
+    port: int | None = None
+    base_url: str = ""
+    proc: process.Spawned | None = None
+
+    def __post_init__(self) -> None:
+        assert self.spec.cmd is not None and self.spec.proxy is not None, "validated config"
+        self.logs = LogBuffer(self.home / "logs" / f"{file_name(self.id)}.log")
+        self.records = PidRecords(self.home)
+        self._changed = asyncio.Event()
+        self._start_task: asyncio.Task[None] | None = None
+        self._watcher: asyncio.Task[None] | None = None
+
+    # -- what callers ask ------------------------------------------------------------
+
+    @property
+    def pid(self) -> int | None:
+        return self.proc.pid if self.proc else None
+
+    async def ensure_ready(self) -> None:
+        """Return once the backend is ready, starting it if needed (L1, L2, L3)."""
+        while self.state is not State.READY:
+            if self.state is State.PAUSED:
+                raise BackendPaused(f"backend '{self.id}' is paused")
+            if self.state is State.FAILED and self.clock() < self.retry_at:
+                raise BackendFailed(self._failure_message())
+            if self.state in (State.STOPPED, State.FAILED):
+                # Move to STARTING before yielding, so concurrent cold callers coalesce (L2).
+                self._move(State.STARTING)
+                self._start_task = asyncio.create_task(self._start(), name=f"start-{self.id}")
+            await self._next_change()
+
+    def available(self) -> bool:
+        """Worth routing to: not paused and not backing off after a failed start (F1)."""
+        if self.state is State.FAILED:
+            return self.clock() >= self.retry_at
+        return self.state is not State.PAUSED
+
+    def enter(self) -> bool:
+        """Count a request in flight; False if the backend is not ready to take one."""
+        if self.state is not State.READY:
+            return False
+        self.in_flight += 1
+        return True
+
+    def leave(self) -> None:
+        self.in_flight -= 1
+        self.last_used = self.clock()
+        if self.in_flight == 0 and self.state is State.DRAINING:
+            self._notify()
+
+    async def load(self) -> None:
+        """An explicit load: refused while another lifecycle action runs (L4)."""
+        if self.state in BUSY:
+            raise LifecycleBusy(f"backend '{self.id}' is {self.state}; try again when it settles")
+        await self.ensure_ready()
+
+    async def unload(self, force: bool = False) -> None:
+        """Drain in-flight requests (unless forced), then stop the process group."""
+        while True:
+            if self.state in (State.STOPPED, State.FAILED, State.PAUSED):
+                return
+            if self.state is State.STARTING and not force:
+                raise LifecycleBusy(f"backend '{self.id}' is starting; unload it once ready")
+            if self.state in (State.DRAINING, State.STOPPING):
+                await self._next_change()
+                continue
+            if self.state is State.STARTING:
+                await self._cancel_start()
+                continue
+            self._move(State.DRAINING)
+            while self.in_flight > 0 and not force:
+                await self._next_change()
+            await self._stop_process()
+            return
+
+    async def stop(self) -> None:
+        """Shutdown: stop whatever runs now, without draining (L5)."""
+        await self._cancel_start()
+        if self.state in (State.READY, State.DRAINING):
+            await self._stop_process()
+        while self.state is State.STOPPING:
+            await self._next_change()
+        self.logs.close()
+
+    async def adopt(self, record: PidRecord) -> bool:
+        """After a crash of corrallm: take over a recorded process only if it is healthy (L5)."""
+        if not record.is_alive():
+            self.records.remove(self.id)
+            return False
+        proc = process.adopt(record.pid, record.started)
+        healthy = record.cmd == self.spec.cmd and await self._healthy(record.health_url)
+        if not healthy:
+            await process.stop_group(record.pgid, proc.exited, self.spec.stop_grace)
+            self.records.remove(self.id)
+            return False
+        self.proc, self.port, self.base_url = proc, record.port, record.base_url
+        self.logs.open()
+        self.logs.note(f"re-adopted pid {record.pid} after a restart of corrallm")
+        self._move(State.STARTING)
+        self._move(State.READY)
+        self.last_used = self.clock()
+        self._watcher = asyncio.create_task(self._watch(proc))
+        return True
+
+    # -- the machinery ---------------------------------------------------------------
+
+    async def _start(self) -> None:
+        try:
+            await self._spawn_and_wait()
+        except asyncio.CancelledError:
+            if self.proc is not None:
+                await self._reap(self.proc, "start cancelled")
+            self._move(State.STOPPING)
+            self._move(State.STOPPED)
+            raise
+
+    async def _spawn_and_wait(self) -> None:
+        assert self.spec.cmd is not None and self.spec.proxy is not None
+        proxy = self.spec.proxy
+        self.port = free_port() if PORT_PLACEHOLDER in proxy else _port_of(proxy)
+        self.base_url = resolve_url(proxy, self.port)
+        cmd = self.spec.cmd.replace(PORT_PLACEHOLDER, str(self.port))
+        env = {k: v.replace(PORT_PLACEHOLDER, str(self.port)) for k, v in self.spec.env.items()}
+        self.logs.open()
+        self.logs.note(f"starting: {cmd}")
+        began = self.clock()
+        try:
+            proc = await process.spawn(
+                process.program_argv(cmd), env, self.spec.cwd, self.logs.append
+            )
+        except OSError as exc:
+            return self._fail(f"could not run its command: {exc}")
+        self.proc = proc
+        self.logs.note(f"spawned pid {proc.pid}")
+        self.records.write(self._record())
+        outcome = await self._await_health(proc)
+        if outcome == "healthy":
+            self.last_load_seconds = self.clock() - began
+            self.failures, self.last_error = 0, None
+            self.last_used = self.clock()
+            self.logs.note(f"ready in {self.last_load_seconds:.2f}s at {self.base_url}")
+            self._move(State.READY)
+            self._watcher = asyncio.create_task(self._watch(proc))
+            return None
+        if outcome == "exited":
+            reason = f"exited with code {proc.exited.result()} while starting"
+        else:
+            reason = f"did not become healthy within {self.health_timeout:g}s (--health-timeout)"
+        await self._reap(proc, reason)
+        return self._fail(reason)
+
+    async def _await_health(self, proc: process.Spawned) -> str:
+        assert self.spec.proxy is not None
+        url = self.base_url + self.spec.health.path
+        deadline = self.clock() + self.health_timeout
+        while True:
+            if proc.exited.done():
+                return "exited"
+            if await self._healthy(url):
+                return "healthy"
+            remaining = deadline - self.clock()
+            if remaining <= 0:
+                return "timeout"
+            await asyncio.wait({proc.exited}, timeout=min(HEALTH_POLL_SECONDS, remaining))
+
+    async def _healthy(self, url: str) -> bool:
+        return await self.probe(url) in self.spec.health.expect_status
+
+    async def _watch(self, proc: process.Spawned) -> None:
+        """Notice a ready process that exits on its own (a crash): the next request restarts it."""
+        code = await proc.exited
+        if self.proc is proc and self.state in (State.READY, State.DRAINING):
+            self.logs.note(f"exited unexpectedly with code {code}")
+            self.last_error = f"exited unexpectedly with code {code}"
+            await self._reap(proc, None)
+            self._move(State.STOPPED)
+
+    async def _stop_process(self) -> None:
+        self._move(State.STOPPING)
+        if self.proc is not None:
+            how = await process.stop_group(self.proc.pgid, self.proc.exited, self.spec.stop_grace)
+            self.logs.note(f"stopped ({how})")
+            self._forget_process()
+        self._move(State.STOPPED)
+
+    async def _reap(self, proc: process.Spawned, note: str | None) -> None:
+        """Make sure nothing of the group is left before the state moves on (L4)."""
+        if note:
+            self.logs.note(note)
+        await process.stop_group(proc.pgid, proc.exited, self.spec.stop_grace)
+        self._forget_process()
+
+    async def _cancel_start(self) -> None:
+        task = self._start_task
+        if task is not None and not task.done():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+    def _forget_process(self) -> None:
+        self.proc = None
+        self.records.remove(self.id)
+
+    def _fail(self, reason: str) -> None:
+        self.failures += 1
+        delay = self.backoff.delay(self.failures)
+        self.retry_at = self.clock() + delay
+        self.last_error = reason
+        self.logs.note(f"failed to start: {reason}; next try in {delay:g}s")
+        self._move(State.FAILED)
+
+    def _failure_message(self) -> str:
+        wait = max(0.0, self.retry_at - self.clock())
+        tail = "\n".join(self.logs.tail(LOG_TAIL_LINES))
+        return (
+            f"backend '{self.id}' failed to start: {self.last_error}. "
+            f"corrallm retries in {wait:.1f}s. Last lines of its log:\n{tail}"
+        )
+
+    def _record(self) -> PidRecord:
+        assert self.proc is not None and self.spec.cmd is not None
+        return PidRecord(
+            backend=self.id,
+            pid=self.proc.pid,
+            pgid=self.proc.pgid,
+            started=self.proc.started,
+            port=self.port,
+            base_url=self.base_url,
+            health_url=self.base_url + self.spec.health.path,
+            cmd=self.spec.cmd,
+        )
+
+    def _move(self, new: State) -> None:
+        old = self.state
+        check_transition(old, new)
+        self.state = new
+        self._notify()
+        for listener in self.listeners:
+            listener(self, old, new)
+
+    def _notify(self) -> None:
+        self._changed.set()
+        self._changed = asyncio.Event()
+
+    async def _next_change(self) -> None:
+        await self._changed.wait()
+
+
+def _port_of(proxy: str) -> int | None:
+    if proxy.startswith(("http://", "https://")):
+        return None
+    return int(proxy)

@@ -1,0 +1,140 @@
+"""The ASGI application: the /v1 surface in raw ASGI (the hot path), liveness, and lifespan.
+
+Raw ASGI rather than Starlette routing on /v1: the overhead benchmark (bench/overhead.py)
+is what decides, and every microsecond here is added to every request.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from collections.abc import Awaitable, Callable
+
+import orjson
+
+from corrallm.gateway import Gateway
+from corrallm.proxy import inference
+from corrallm.proxy.asgi import (
+    BodyTooLarge,
+    ClientGone,
+    Receive,
+    Scope,
+    Send,
+    header,
+    read_body,
+    send_bytes,
+)
+from corrallm.proxy.errors import ApiError, internal, not_found
+
+log = logging.getLogger("corrallm.proxy")
+
+Handler = Callable[[Gateway, Scope, Receive, Send, bytes], Awaitable[None]]
+
+INFERENCE_PATHS = frozenset(
+    {"/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/rerank", "/rerank"}
+)
+_HEALTH = orjson.dumps({"status": "ok"})
+
+
+class CorrallmApp:
+    def __init__(self, gateway: Gateway) -> None:
+        self.gateway = gateway
+        self._ids = itertools.count(1)
+        self._models_body = self._models_list()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        kind = scope["type"]
+        if kind == "http":
+            await self._http(scope, receive, send)
+        elif kind == "lifespan":
+            await self._lifespan(receive, send)
+
+    async def _http(self, scope: Scope, receive: Receive, send: Send) -> None:
+        path: str = scope["path"]
+        method: str = scope["method"]
+        try:
+            if path in INFERENCE_PATHS:
+                _require(method, "POST", path)
+                await self._with_body(inference.serve, scope, receive, send)
+            elif path.startswith("/upstream/"):
+                await self._with_body(inference.upstream, scope, receive, send)
+            elif path in ("/health", "/healthz"):
+                await send_bytes(send, 200, _HEALTH)
+            elif path == "/v1/models":
+                _require(method, "GET", path)
+                await send_bytes(send, 200, self._models_body)
+            else:
+                raise not_found(
+                    f"No endpoint {method} {path}. corrallm serves POST "
+                    + ", ".join(sorted(INFERENCE_PATHS))
+                    + ", GET /v1/models and /upstream/<model>/<path>."
+                )
+        except ApiError as exc:
+            await exc.send(send)
+        except ClientGone:
+            return
+        except Exception:
+            request_id = next(self._ids)
+            log.exception("request=%s %s %s failed", request_id, method, path)
+            await internal(
+                f"corrallm hit an unexpected error (request {request_id}); "
+                "the gateway log has the details."
+            ).send(send)
+
+    async def _with_body(
+        self, handler: Handler, scope: Scope, receive: Receive, send: Send
+    ) -> None:
+        limit = self.gateway.config.max_body_size
+        declared = header(scope, b"content-length")
+        try:
+            if declared is not None and int(declared) > limit:
+                raise BodyTooLarge
+            body = await read_body(receive, limit)
+        except BodyTooLarge:
+            raise ApiError(
+                413,
+                f"The request body is larger than maxBodySize ({limit} bytes). "
+                "Send a smaller body or raise maxBodySize in the config.",
+                code="body_too_large",
+            ) from None
+        await handler(self.gateway, scope, receive, send, body)
+
+    def _models_list(self) -> bytes:
+        data = [
+            {
+                "id": served.name,
+                "object": "model",
+                "created": self.gateway.started_at,
+                "owned_by": "corrallm",
+                "aliases": list(served.config.aliases),
+            }
+            for served in self.gateway.served
+            if not served.config.unlisted
+        ]
+        return orjson.dumps({"object": "list", "data": data})
+
+    async def _lifespan(self, receive: Receive, send: Send) -> None:
+        while True:
+            message = await receive()
+            if message["type"] == "lifespan.startup":
+                try:
+                    await self.gateway.start()
+                except Exception as exc:
+                    log.exception("startup failed")
+                    await send({"type": "lifespan.startup.failed", "message": str(exc)})
+                    return
+                await send({"type": "lifespan.startup.complete"})
+            elif message["type"] == "lifespan.shutdown":
+                await self.gateway.stop()
+                await send({"type": "lifespan.shutdown.complete"})
+                return
+
+
+def _require(method: str, expected: str, path: str) -> None:
+    if method != expected:
+        raise ApiError(
+            405,
+            f"{path} takes {expected}, not {method}.",
+            code="method_not_allowed",
+            headers={"allow": expected},
+        )

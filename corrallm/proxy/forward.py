@@ -1,0 +1,149 @@
+"""Forwarding one request upstream and streaming the answer back, chunk by chunk.
+
+Nothing is buffered: each chunk aiohttp hands us goes to the client as it comes. The
+caller's identity headers are corrallm's business only and never leave it (SPEC §3).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterable
+
+import aiohttp
+import orjson
+
+from corrallm.proxy.asgi import Receive, Scope, Send
+from corrallm.proxy.errors import bad_gateway
+
+# Hop-by-hop headers (RFC 9110 §7.6.1) and those aiohttp sets itself.
+_HOP_BY_HOP = frozenset(
+    {
+        b"connection",
+        b"keep-alive",
+        b"proxy-authenticate",
+        b"proxy-authorization",
+        b"proxy-connection",
+        b"te",
+        b"trailer",
+        b"transfer-encoding",
+        b"upgrade",
+        b"host",
+        b"content-length",
+        # Bodies stay plain so that they can be metered; LLM servers seldom compress anyway.
+        b"accept-encoding",
+    }
+)
+_CALLER_IDENTITY = frozenset({b"authorization", b"x-corrallm-key", b"cookie"})
+_DROP_REQUEST = _HOP_BY_HOP | _CALLER_IDENTITY
+_DROP_RESPONSE = frozenset({b"connection", b"keep-alive", b"transfer-encoding", b"server", b"date"})
+
+
+def new_session() -> aiohttp.ClientSession:
+    connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=60, enable_cleanup_closed=True)
+    return aiohttp.ClientSession(
+        connector=connector,
+        timeout=aiohttp.ClientTimeout(total=None, connect=10, sock_connect=10),
+        auto_decompress=False,
+        skip_auto_headers=("User-Agent", "Accept-Encoding"),
+    )
+
+
+def request_headers(
+    raw: Iterable[tuple[bytes, bytes]], extra: dict[str, str]
+) -> list[tuple[str, str]]:
+    out = [(k.decode("latin-1"), v.decode("latin-1")) for k, v in raw if k not in _DROP_REQUEST]
+    if extra:
+        names = {k.lower() for k in extra}
+        out = [(k, v) for k, v in out if k not in names]
+        out.extend(extra.items())
+    return out
+
+
+class DisconnectWatch:
+    """Cancels the request's task when its client goes away (SPEC §6 S7).
+
+    Cancelling drops the upstream connection, which is how the backend learns to stop.
+    """
+
+    def __init__(self, receive: Receive) -> None:
+        self.client_gone = False
+        self.finishing = False
+        self._task = asyncio.current_task()
+        self._watcher = asyncio.create_task(self._watch(receive))
+
+    async def _watch(self, receive: Receive) -> None:
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                break
+        if not self.finishing and self._task is not None:
+            self.client_gone = True
+            self._task.cancel()
+
+    def close(self) -> None:
+        self._watcher.cancel()
+
+    def absorb(self) -> bool:
+        """In an `except CancelledError`: True if the cancel was ours and is now spent."""
+        task = asyncio.current_task()
+        return self.client_gone and task is not None and task.uncancel() == 0
+
+
+async def forward(
+    session: aiohttp.ClientSession,
+    scope: Scope,
+    send: Send,
+    url: str,
+    body: bytes,
+    headers: list[tuple[str, str]],
+    extra_response_headers: list[tuple[bytes, bytes]],
+    watch: DisconnectWatch,
+    backend_id: str,
+) -> int:
+    """Send the request upstream and relay the response; returns the upstream status."""
+    try:
+        response = await session.request(
+            scope["method"], url, data=body, headers=headers, allow_redirects=False
+        )
+    except (aiohttp.ClientError, OSError) as exc:
+        raise bad_gateway(
+            f"backend '{backend_id}' did not answer at {url}: {exc or type(exc).__name__}. "
+            "Check that it is running and listening on its proxy address."
+        ) from exc
+    async with response:
+        raw = [(k.lower(), v) for k, v in response.raw_headers if k.lower() not in _DROP_RESPONSE]
+        raw.extend(extra_response_headers)
+        await send({"type": "http.response.start", "status": response.status, "headers": raw})
+        sse = response.content_type == "text/event-stream"
+        last = b"\n\n"
+        try:
+            async for chunk in response.content.iter_any():
+                last = chunk
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+        except (aiohttp.ClientError, OSError, asyncio.IncompleteReadError) as exc:
+            if sse:
+                await send(
+                    {
+                        "type": "http.response.body",
+                        "body": _stream_error(last, backend_id, exc),
+                        "more_body": True,
+                    }
+                )
+        watch.finishing = True
+        await send({"type": "http.response.body", "body": b""})
+        return response.status
+
+
+def _stream_error(last: bytes, backend_id: str, exc: BaseException) -> bytes:
+    """End a broken stream the way clients understand: one error event, then [DONE]."""
+    error = {
+        "error": {
+            "message": f"backend '{backend_id}' broke off the stream: {exc or type(exc).__name__}",
+            "type": "api_error",
+            "param": None,
+            "code": "backend_error",
+        }
+    }
+    # Close a torn event first so the error event parses on its own.
+    prefix = b"" if last.endswith(b"\n\n") else b"\n\n"
+    return prefix + b"data: " + orjson.dumps(error) + b"\n\ndata: [DONE]\n\n"

@@ -1,0 +1,172 @@
+"""The inference endpoints: chat, completions, embeddings, rerank (SPEC §3, §4, §8).
+
+The hot path: read the body once, parse it once, look the model up in a prebuilt table,
+wait for a slot and a ready backend, forward. No blocking I/O, no config parsing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+import orjson
+
+from corrallm.gateway import Gateway
+from corrallm.lifecycle.supervisor import BackendFailed, BackendPaused
+from corrallm.proxy.asgi import Receive, Scope, Send, header
+from corrallm.proxy.errors import ApiError, bad_gateway, bad_request, not_found, unavailable
+from corrallm.proxy.forward import DisconnectWatch, forward, request_headers
+from corrallm.routing.router import Route, ServedModel
+
+log = logging.getLogger("corrallm.proxy")
+
+_TOKEN_LIMITS = ("max_tokens", "max_completion_tokens")
+
+
+def caller_key(scope: Scope) -> str | None:
+    """The caller's API key: `Authorization: Bearer <key>` or `X-Corrallm-Key: <key>`."""
+    raw = header(scope, b"x-corrallm-key")
+    if raw:
+        return raw.decode("latin-1").strip()
+    auth = header(scope, b"authorization")
+    if auth and auth[:7].lower() == b"bearer ":
+        return auth[7:].decode("latin-1").strip() or None
+    return None
+
+
+def parse_request(body: bytes) -> tuple[dict[str, Any], str]:
+    try:
+        payload = orjson.loads(body)
+    except orjson.JSONDecodeError as exc:
+        raise bad_request(
+            f"The request body is not valid JSON ({exc}). Send a JSON object."
+        ) from None
+    if not isinstance(payload, dict):
+        raise bad_request("The request body must be a JSON object with a 'model' field.")
+    model = payload.get("model")
+    if not isinstance(model, str) or not model:
+        raise bad_request(
+            "Missing 'model': name the model to use (GET /v1/models lists them).", param="model"
+        )
+    return payload, model
+
+
+def lookup(gateway: Gateway, model: str) -> ServedModel:
+    served = gateway.models.get(model)
+    if served is None:
+        names = ", ".join(s.name for s in gateway.served if not s.config.unlisted)
+        raise not_found(
+            f"The model '{model}' does not exist here. Served models: {names or 'none'}. "
+            "GET /v1/models lists them with their aliases.",
+            code="model_not_found",
+        )
+    return served
+
+
+def upstream_body(body: bytes, payload: dict[str, Any], route: Route) -> bytes:
+    """Rename the model for the backend and clamp its token limit; else forward as sent."""
+    config = route.config
+    changed = False
+    if config.model and payload.get("model") != config.model:
+        payload["model"] = config.model
+        changed = True
+    if config.max_tokens is not None:
+        for name in _TOKEN_LIMITS:
+            asked = payload.get(name)
+            if isinstance(asked, int) and asked > config.max_tokens:
+                payload[name] = config.max_tokens
+                changed = True
+        if not any(name in payload for name in _TOKEN_LIMITS):
+            payload["max_tokens"] = config.max_tokens
+            changed = True
+    return orjson.dumps(payload) if changed else body
+
+
+async def serve(gateway: Gateway, scope: Scope, receive: Receive, send: Send, body: bytes) -> None:
+    payload, model = parse_request(body)
+    served = lookup(gateway, model)
+    caller = gateway.caller(caller_key(scope))
+    route = served.pick(caller.group)
+    data = upstream_body(body, payload, route)
+    extra = [(b"x-corrallm-backend", route.id.encode())]
+    if served.degraded(route):
+        extra.append((b"x-corrallm-degraded", b"true"))
+    watch = DisconnectWatch(receive)
+    try:
+        await route.gate.acquire()
+        try:
+            await _enter_ready(route)
+            try:
+                await forward(
+                    gateway.session,
+                    scope,
+                    send,
+                    route.endpoint.base_url + scope["path"],
+                    data,
+                    request_headers(scope["headers"], route.config.headers),
+                    extra,
+                    watch,
+                    route.id,
+                )
+            finally:
+                route.endpoint.leave()
+        finally:
+            route.gate.release()
+    except asyncio.CancelledError:
+        if watch.absorb():
+            return  # the client left: its slot is free and its upstream request dropped
+        raise
+    finally:
+        watch.close()
+
+
+async def _enter_ready(route: Route) -> None:
+    """Wait until the backend is ready and count this request in flight on it."""
+    while True:
+        await _ready(route)
+        if route.endpoint.enter():
+            return
+
+
+async def _ready(route: Route) -> None:
+    try:
+        await route.endpoint.ensure_ready()
+    except BackendPaused as exc:
+        raise unavailable(
+            f"The model '{route.model}' is paused by an operator: {exc}. "
+            "It serves again once unpaused.",
+            code="paused",
+        ) from exc
+    except BackendFailed as exc:
+        raise bad_gateway(str(exc), code="backend_start_failed") from exc
+
+
+async def upstream(
+    gateway: Gateway, scope: Scope, receive: Receive, send: Send, body: bytes
+) -> None:
+    """`/upstream/<model>/<path>`: straight to the backend, loading it if needed, unscheduled."""
+    rest = scope["path"][len("/upstream/") :]
+    model, _, path = rest.partition("/")
+    if not model:
+        raise not_found("Use /upstream/<model>/<path> to reach a backend's own API or web UI.")
+    route = lookup(gateway, model).pick(None)
+    query = scope.get("query_string", b"")
+    extra = [(b"x-corrallm-backend", route.id.encode())]
+    watch = DisconnectWatch(receive)
+    try:
+        await _ready(route)  # untracked: it holds no slot and never delays a drain
+        url = f"{route.endpoint.base_url}/{path}"
+        if query:
+            url += "?" + query.decode("latin-1")
+        headers = request_headers(scope["headers"], route.config.headers)
+        await forward(gateway.session, scope, send, url, body, headers, extra, watch, route.id)
+    except asyncio.CancelledError:
+        if watch.absorb():
+            return
+        raise
+    finally:
+        watch.close()
+
+
+__all__ = ["ApiError", "serve", "upstream"]

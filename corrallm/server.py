@@ -1,0 +1,66 @@
+"""`corrallm serve`: the gateway on uvicorn (uvloop + httptools), stopped cleanly on signals."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import uvicorn
+
+from corrallm.config import Config
+from corrallm.gateway import Gateway
+from corrallm.proxy.app import CorrallmApp
+
+# Open streams get this long to finish on SIGTERM/SIGINT before they are cut and every
+# backend is stopped.
+GRACEFUL_SHUTDOWN_SECONDS = 5
+
+
+@dataclass(frozen=True)
+class ServeOptions:
+    addr: str
+    home: Path
+    health_timeout: float
+    config_path: Path | None
+
+
+def parse_addr(addr: str) -> tuple[str, int]:
+    """`:6502` (all interfaces), `127.0.0.1:6502`, `[::1]:6502`."""
+    host, sep, port = addr.rpartition(":")
+    if not sep or not port.isdigit():
+        raise ValueError(f"ADDR must look like :6502 or 127.0.0.1:6502, got {addr!r}")
+    host = host.strip("[]") or "0.0.0.0"
+    return host, int(port)
+
+
+def run(config: Config, options: ServeOptions) -> None:
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s"
+    )
+    host, port = parse_addr(options.addr)
+    options.home.mkdir(parents=True, exist_ok=True)
+    gateway = Gateway(config, options.home, options.health_timeout)
+    source = options.config_path or "the packaged demo config"
+    logging.getLogger("corrallm").info(
+        "serving %d models from %s on %s:%d (home %s)",
+        len(gateway.served),
+        source,
+        host,
+        port,
+        options.home,
+    )
+    server = uvicorn.Server(
+        uvicorn.Config(
+            CorrallmApp(gateway),
+            host=host,
+            port=port,
+            loop="uvloop",
+            http="httptools",
+            lifespan="on",
+            access_log=False,
+            log_level="info",
+            timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_SECONDS,
+        )
+    )
+    server.run()

@@ -1,0 +1,41 @@
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.support.processes import (
+    FakeBackend,
+    Gateway,
+    cleanup,
+    kill_group,
+    start_fake_backend,
+    start_gateway,
+)
+
+
+@pytest.fixture
+def gateway_factory(tmp_path: Path) -> Iterator[Callable[..., Gateway]]:
+    """Start `corrallm serve` with a config text; every one started is cleaned up."""
+    started: list[Gateway] = []
+
+    def start(config_text: str, **kwargs: object) -> Gateway:
+        gateway = start_gateway(config_text, tmp_path, **kwargs)  # type: ignore[arg-type]
+        started.append(gateway)
+        return gateway
+
+    yield start
+    for gateway in started:
+        cleanup(gateway)
+
+
+@pytest.fixture
+def fake_backend(tmp_path: Path) -> Iterator[FakeBackend]:
+    """A fake backend started by the test itself (for pure-proxy routes)."""
+    backend = start_fake_backend(tmp_path)
+    try:
+        yield backend
+    finally:
+        kill_group(backend.proc.pid)
+        backend.proc.wait(10)

@@ -1,0 +1,227 @@
+"""Real processes on loopback for the integration and e2e tests: corrallm and fake backends.
+
+Every process runs in its own session and its group is killed in a finalizer, so a failing
+test leaves nothing behind. Waiting is always on a condition with a deadline.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TypeVar
+
+import httpx
+
+T = TypeVar("T")
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def wait_for(
+    condition: Callable[[], T], timeout: float = 10.0, interval: float = 0.02, what: str = ""
+) -> T:
+    """Poll `condition` until it returns something truthy; fail after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    last: T | None = None
+    while time.monotonic() < deadline:
+        last = condition()
+        if last:
+            return last
+        time.sleep(interval)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what or condition}: {last!r}")
+
+
+def fake_cmd(*flags: str) -> str:
+    """A backend `cmd` running the package's fake backend on the port corrallm picks."""
+    return " ".join(["corrallm fake-backend --port ${PORT}", *flags])
+
+
+def group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    return _has_live_member(pgid)
+
+
+def _has_live_member(pgid: int) -> bool:
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        fields = stat.rsplit(")", 1)[1].split()
+        if fields[0] != "Z" and int(fields[2]) == pgid:
+            return True
+    return False
+
+
+def kill_group(pgid: int) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pgid, signal.SIGKILL)
+
+
+@dataclass
+class Gateway:
+    """A running `corrallm serve` process."""
+
+    proc: subprocess.Popen[bytes]
+    url: str
+    home: Path
+    log_path: Path
+    backend_groups: set[int] = field(default_factory=set)
+
+    @property
+    def v1(self) -> str:
+        return self.url + "/v1"
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def records(self) -> dict[str, dict[str, object]]:
+        import json
+
+        folder = self.home / "run"
+        if not folder.is_dir():
+            return {}
+        out = {}
+        for path in folder.glob("*.json"):
+            with contextlib.suppress(ValueError, OSError):
+                data = json.loads(path.read_text())
+                out[data["backend"]] = data
+                self.backend_groups.add(int(data["pgid"]))
+        return out
+
+    def pid_of(self, backend: str, timeout: float = 10.0) -> int:
+        record = wait_for(lambda: self.records().get(backend), timeout, what=f"{backend} pid")
+        return int(record["pid"])  # type: ignore[call-overload]
+
+    def signal(self, sig: int) -> None:
+        self.records()
+        self.proc.send_signal(sig)
+
+    def wait_exit(self, timeout: float = 20.0) -> int:
+        return self.proc.wait(timeout)
+
+
+def start_gateway(
+    config_text: str,
+    tmp: Path,
+    *,
+    home: Path | None = None,
+    health_timeout: str = "20s",
+    env: dict[str, str] | None = None,
+    wait: bool = True,
+) -> Gateway:
+    config = tmp / f"corrallm-{time.monotonic_ns()}.yaml"
+    config.write_text(config_text)
+    home = home or tmp / "home"
+    port = free_port()
+    log_path = tmp / f"corrallm-{port}.log"
+    full_env = {
+        **os.environ,
+        "ADDR": f"127.0.0.1:{port}",
+        "PYTHONUNBUFFERED": "1",
+        **(env or {}),
+    }
+    with log_path.open("wb") as log:
+        proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "corrallm",
+                "serve",
+                "--config",
+                str(config),
+                "--home",
+                str(home),
+                "--health-timeout",
+                health_timeout,
+            ],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=full_env,
+            start_new_session=True,
+        )
+    gateway = Gateway(proc, f"http://127.0.0.1:{port}", home, log_path)
+    if wait:
+        wait_healthy(gateway)
+    return gateway
+
+
+def wait_healthy(gateway: Gateway, timeout: float = 20.0) -> None:
+    def up() -> bool:
+        if gateway.proc.poll() is not None:
+            raise AssertionError(f"corrallm exited with {gateway.proc.returncode}:\n{gateway.log()}")
+        try:
+            return httpx.get(gateway.url + "/health", timeout=1).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    wait_for(up, timeout, what="corrallm /health")
+
+
+def cleanup(gateway: Gateway) -> None:
+    """Kill corrallm and every backend group it recorded, whatever state the test left."""
+    gateway.records()
+    if gateway.proc.poll() is None:
+        kill_group(gateway.proc.pid)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            gateway.proc.wait(10)
+    for pgid in gateway.backend_groups:
+        kill_group(pgid)
+
+
+@contextlib.contextmanager
+def running_gateway(config_text: str, tmp: Path, **kwargs: object) -> Iterator[Gateway]:
+    gateway = start_gateway(config_text, tmp, **kwargs)  # type: ignore[arg-type]
+    try:
+        yield gateway
+    finally:
+        cleanup(gateway)
+
+
+@dataclass
+class FakeBackend:
+    proc: subprocess.Popen[bytes]
+    port: int
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+
+def start_fake_backend(tmp: Path, *flags: str) -> FakeBackend:
+    port = free_port()
+    log = (tmp / f"fake-{port}.log").open("wb")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "corrallm", "fake-backend", "--port", str(port), *flags],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+    log.close()
+    backend = FakeBackend(proc, port)
+
+    def healthy() -> bool:
+        try:
+            return httpx.get(backend.url + "/health", timeout=1).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    wait_for(healthy, 20, what="fake backend health")
+    return backend
