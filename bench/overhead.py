@@ -11,9 +11,7 @@ against the direct baseline measured in this run. See bench/README.md.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import contextlib
-import itertools
 import json
 import os
 import re
@@ -30,112 +28,10 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
+LOADGEN = Path(__file__).resolve().parent / "loadgen.py"
 PY = sys.executable
 PROMPT = [{"role": "user", "content": "Hello, how are you today?"}]
 STREAM_TOKENS, TOKEN_DELAY = 64, 0.001
-
-
-# --- load generator (runs in its own process: python bench/overhead.py --loadgen SPEC) ---------
-
-
-def pct(values: list[float], p: float) -> float:
-    """Nearest-rank percentile (p in 0..100); NaN for no data."""
-    if not values:
-        return float("nan")
-    s = sorted(values)
-    return s[min(len(s) - 1, max(0, round(p / 100 * len(s) + 0.5) - 1))]
-
-
-async def _post(session: Any, url: str, data: bytes) -> int:
-    async with session.post(url, data=data, headers={"content-type": "application/json"}) as r:
-        await r.read()
-        return int(r.status)
-
-
-async def _latency(spec: dict[str, Any]) -> dict[str, Any]:
-    import aiohttp
-
-    data = json.dumps(spec["body"]).encode()
-    times, errors = [], 0
-    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=1)) as s:
-        for _ in range(spec["warmup"]):
-            await _post(s, spec["url"], data)
-        for _ in range(spec["n"]):
-            t0 = time.perf_counter()
-            status = await _post(s, spec["url"], data)
-            times.append(time.perf_counter() - t0)
-            errors += status != 200
-    return {"times": times, "errors": errors}
-
-
-async def _throughput(spec: dict[str, Any]) -> dict[str, Any]:
-    import aiohttp
-
-    data, left = json.dumps(spec["body"]).encode(), [spec["n"]]
-    errors = [0]
-
-    async def worker(s: Any) -> None:
-        while left[0] > 0:
-            left[0] -= 1
-            errors[0] += await _post(s, spec["url"], data) != 200
-
-    conn = aiohttp.TCPConnector(limit=spec["concurrency"])
-    async with aiohttp.ClientSession(connector=conn) as s:
-        t0 = time.perf_counter()
-        await asyncio.gather(*(worker(s) for _ in range(spec["concurrency"])))
-        elapsed = time.perf_counter() - t0
-    return {"rps": spec["n"] / elapsed, "errors": errors[0], "requests": spec["n"]}
-
-
-async def _streams(spec: dict[str, Any]) -> dict[str, Any]:
-    import aiohttp
-
-    data = json.dumps(spec["body"]).encode()
-    ttft: list[float] = []
-    gaps: list[float] = []
-    errors = [0]
-    left = [spec["n"]]
-
-    async def one(s: Any) -> None:
-        t0 = time.perf_counter()
-        stamps: list[float] = []
-        async with s.post(
-            spec["url"], data=data, headers={"content-type": "application/json"}
-        ) as r:
-            if r.status != 200:
-                errors[0] += 1
-                await r.read()
-                return
-            async for line in r.content:
-                now = time.perf_counter()
-                if not stamps and line.startswith(b"data: "):
-                    ttft.append(now - t0)
-                if b'"content"' in line and b'"role"' not in line:
-                    stamps.append(now)
-        if len(stamps) != spec["tokens"]:
-            errors[0] += 1
-        gaps.extend(b - a for a, b in itertools.pairwise(stamps))
-
-    async def worker(s: Any) -> None:
-        while left[0] > 0:
-            left[0] -= 1
-            await one(s)
-
-    conn = aiohttp.TCPConnector(limit=spec["concurrency"])
-    timeout = aiohttp.ClientTimeout(total=120)
-    async with aiohttp.ClientSession(connector=conn, timeout=timeout) as s:
-        await asyncio.gather(*(worker(s) for _ in range(spec["concurrency"])))
-    return {"ttft": ttft, "gaps": gaps, "errors": errors[0]}
-
-
-def loadgen(spec_json: str) -> None:
-    spec = json.loads(spec_json)
-    with contextlib.suppress(ImportError):
-        import uvloop
-
-        uvloop.install()
-    run = {"latency": _latency, "throughput": _throughput, "streams": _streams}[spec["mode"]]
-    print(json.dumps(asyncio.run(run(spec))))
 
 
 # --- processes ------------------------------------------------------------------------------
@@ -330,7 +226,7 @@ class Bench:
     def loadgen(self, spec: dict[str, Any]) -> dict[str, Any]:
         cpus = self.procs.pins.get("client")
         out = subprocess.run(
-            [PY, str(Path(__file__).resolve()), "--loadgen", json.dumps(spec)],
+            [PY, str(LOADGEN), json.dumps(spec)],
             capture_output=True,
             check=True,
             timeout=self.left(),
@@ -342,15 +238,7 @@ class Bench:
         body = {"model": "bench", "messages": PROMPT, "max_tokens": 16}
         warmup = min(200, self.args.requests // 5)
         spec = {"mode": "latency", "url": t.chat_url, "body": body, "n": self.args.requests}
-        res = self.loadgen({**spec, "warmup": warmup})
-        ms = [x * 1000 for x in res["times"]]
-        return {
-            "p50": pct(ms, 50),
-            "p99": pct(ms, 99),
-            "mean": sum(ms) / len(ms),
-            **res,
-            "times": None,
-        }
+        return self.loadgen({**spec, "warmup": warmup})
 
     def throughput(self, t: Target, wrk: str | None) -> dict[str, Any]:
         body = {"model": "bench", "messages": PROMPT, "max_tokens": 16}
@@ -391,16 +279,7 @@ class Bench:
         body = {"model": "bench-stream", "messages": PROMPT, "stream": True}
         spec = {"mode": "streams", "url": t.stream_url, "body": body, "tokens": STREAM_TOKENS}
         c = self.args.streams
-        res = self.loadgen({**spec, "concurrency": c, "n": c * 3})
-        ttft, gaps = [x * 1000 for x in res["ttft"]], [x * 1000 for x in res["gaps"]]
-        return {
-            "ttft_p50": pct(ttft, 50),
-            "ttft_p99": pct(ttft, 99),
-            "gap_p50": pct(gaps, 50),
-            "gap_p99": pct(gaps, 99),
-            "streams": len(ttft),
-            "errors": res["errors"],
-        }
+        return self.loadgen({**spec, "concurrency": c, "n": c * 3})
 
 
 def rss_mb(pid: int | None, key: str) -> float | None:
@@ -416,7 +295,14 @@ def rss_mb(pid: int | None, key: str) -> float | None:
 
 
 def _f(x: float | None, digits: int = 2) -> str:
-    return "-" if x is None or x != x else f"{x:.{digits}f}"
+    return "-" if x is None else f"{x:.{digits}f}"
+
+
+def _minus(row: dict[str, Any], base: dict[str, Any] | None, key: str) -> float | None:
+    """row[key] - base[key], or None for the baseline itself or missing data."""
+    if not base or row is base or row.get(key) is None or base.get(key) is None:
+        return None
+    return float(row[key] - base[key])
 
 
 def report(res: dict[str, dict[str, Any]], notes: list[str], args: argparse.Namespace) -> str:
@@ -430,9 +316,9 @@ def report(res: dict[str, dict[str, Any]], notes: list[str], args: argparse.Name
             "| path | p50 ms | p99 ms | mean ms | added p50 ms | added p99 ms | errors |",
             "|---|---:|---:|---:|---:|---:|---:|",
         ]
-        b = base.get("latency", {})
+        b = base.get("latency")
         for n, r in lat.items():
-            added = [r[k] - b[k] if b and n != "direct" else None for k in ("p50", "p99")]
+            added = [_minus(r, b, k) for k in ("p50", "p99")]
             out.append(
                 f"| {n} | {_f(r['p50'], 3)} | {_f(r['p99'], 3)} | {_f(r['mean'], 3)} "
                 f"| {_f(added[0], 3)} | {_f(added[1], 3)} | {r['errors']} |"
@@ -464,7 +350,7 @@ def report(res: dict[str, dict[str, Any]], notes: list[str], args: argparse.Name
         ]
         b = base.get("streams")
         for n, r in st.items():
-            d = {k: r[k] - b[k] if b and n != "direct" else None for k in r}
+            d = {k: _minus(r, b, k) for k in ("ttft_p50", "gap_p50", "gap_p99")}
             out.append(
                 f"| {n} | {_f(r['ttft_p50'])} | {_f(r['ttft_p99'])} | {_f(d['ttft_p50'])} "
                 f"| {_f(r['gap_p50'], 3)} | {_f(r['gap_p99'], 3)} | {_f(d['gap_p50'], 3)} "
@@ -491,7 +377,6 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--only", default="direct,corrallm,nginx", help="paths to measure")
     p.add_argument("--no-pin", action="store_true", help="do not pin processes to CPUs")
     p.add_argument("--json", action="store_true", help="also print the results as JSON")
-    p.add_argument("--loadgen", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     q = args.quick
     args.requests = args.requests or (300 if q else 2000)
@@ -570,9 +455,6 @@ def run(args: argparse.Namespace, tmp: Path) -> tuple[dict[str, dict[str, Any]],
 
 def main(argv: list[str]) -> int:
     args = parse_args(argv)
-    if args.loadgen:
-        loadgen(args.loadgen)
-        return 0
 
     def stop(signum: int, _frame: object) -> None:
         raise SystemExit(128 + signum)  # unwinds through the finally blocks that kill groups

@@ -136,7 +136,12 @@ def _parse_yaml(text: str, source: str) -> tuple[object, dict[Loc, int], list[Pr
         if context:
             at = f" at line {context_mark.line + 1}" if context_mark else ""
             what += f" ({context}{at})"
-        raise ConfigError([f"{where}: invalid YAML: {what or exc}"], source) from exc
+        bad_line = (
+            text.splitlines()[mark.line] if mark and mark.line < len(text.splitlines()) else ""
+        )
+        if "${" in bad_line and "flow" in str(context):
+            what += "; inside { } or [ ], quote references: proxy: '${PORT}'"
+        raise ConfigError([f"{where}: invalid YAML: {what}"], source) from exc
     finally:
         loader.dispose()
 

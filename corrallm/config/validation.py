@@ -100,7 +100,12 @@ def _fixed_loopback_port(proxy: str) -> int | None:
 
 
 def _proxy_problem(proxy: str, has_cmd: bool) -> str | None:
-    if proxy == PORT_PLACEHOLDER or (PORT_PLACEHOLDER in proxy and "://" in proxy):
+    if PORT_PLACEHOLDER in proxy and proxy != PORT_PLACEHOLDER:
+        return (
+            "${PORT} must be the whole value (proxy: ${PORT}); corrallm then talks to "
+            "http://127.0.0.1:<the port it picked>"
+        )
+    if proxy == PORT_PLACEHOLDER:
         if has_cmd:
             return None
         return (

@@ -237,14 +237,15 @@ class FakeBackend:
         await ex.start_stream()
         if crash == 0:
             self._crash(0)
-        crash_at = token_span.start + crash - 1 if crash is not None else -1
+        # Crash after the crash-th token chunk; a stream shorter than that completes.
+        crash_at = token_span.start + crash - 1 if crash and crash <= len(token_span) else -1
         for i, event in enumerate(events):
             if delay and i in token_span and i > token_span.start and await ex.pause(delay):
                 return
             if not await ex.write(event):
                 return
             if i == crash_at:
-                self._crash(token_span.index(i) + 1)
+                self._crash(crash or 0)
         await ex.end_stream()
 
     def _crash(self, sent: int) -> None:

@@ -159,6 +159,11 @@ def test_yaml_syntax_error_names_line_and_column() -> None:
     assert problem.startswith("line 3, column 1: invalid YAML:")
 
 
+def test_unquoted_reference_in_flow_mapping_gets_a_quoting_hint() -> None:
+    [problem] = problems_of("models: {m: {backends: [{cmd: x, proxy: ${PORT}}]}}")
+    assert problem.endswith("quote references: proxy: '${PORT}'")
+
+
 def test_yaml_python_tags_are_refused() -> None:
     [problem] = problems_of("costPerKwh: !!python/object/apply:os.getcwd []\n")
     assert "invalid YAML" in problem
