@@ -295,7 +295,9 @@ def rss_mb(pid: int | None, key: str) -> float | None:
 
 
 def _f(x: float | None, digits: int = 2) -> str:
-    return "-" if x is None else f"{x:.{digits}f}"
+    if x is None:
+        return "-"
+    return f"{0.0 if abs(x) < 0.5 * 10**-digits else x:.{digits}f}"
 
 
 def _minus(row: dict[str, Any], base: dict[str, Any] | None, key: str) -> float | None:

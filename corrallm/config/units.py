@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import re
 
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h|d)?\s*$")
@@ -28,8 +29,8 @@ def parse_duration(value: object) -> float:
     if isinstance(value, bool):
         raise ValueError(f"expected a duration like 30s or 5m, got {value!r}")
     if isinstance(value, int | float):
-        if value < 0:
-            raise ValueError(f"a duration cannot be negative, got {value!r}")
+        if value < 0 or not math.isfinite(value):
+            raise ValueError(f"a duration must be a finite number of seconds >= 0, got {value!r}")
         return float(value)
     if isinstance(value, str):
         match = _DURATION.match(value)
@@ -43,8 +44,8 @@ def parse_size(value: object) -> int:
     if isinstance(value, bool):
         raise ValueError(f"expected a size like 512MB or 1GiB, got {value!r}")
     if isinstance(value, int | float):
-        if value < 0:
-            raise ValueError(f"a size cannot be negative, got {value!r}")
+        if value < 0 or not math.isfinite(value):
+            raise ValueError(f"a size must be a finite number of bytes >= 0, got {value!r}")
         return int(value)
     if isinstance(value, str):
         match = _SIZE.match(value)

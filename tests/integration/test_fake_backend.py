@@ -154,16 +154,16 @@ def test_L6_prints_llama_server_log_lines(spawn: Callable[..., Backend]) -> None
     assert props["total_slots"] == 2
     assert props["default_generation_settings"]["n_ctx"] == 4096  # per slot, like llama-server
     with b.openai() as client:
-        client.chat.completions.create(model="x", messages=MESSAGES)  # type: ignore[arg-type]
+        client.chat.completions.create(model="x", messages=MESSAGES)
     b.wait_line("request: POST /v1/chat/completions 200")
 
 
 def test_chat_non_stream_with_openai_sdk(backend: Backend) -> None:
     with backend.openai() as client:
-        resp = client.chat.completions.create(model="fake-chat", messages=MESSAGES)  # type: ignore[arg-type]
+        resp = client.chat.completions.create(model="fake-chat", messages=MESSAGES)
         capped = client.chat.completions.create(
             model="fake-chat",
-            messages=MESSAGES,  # type: ignore[arg-type]
+            messages=MESSAGES,
             max_tokens=2,
         )
     assert resp.object == "chat.completion"
@@ -184,9 +184,9 @@ def test_chat_stream_with_openai_sdk(backend: Backend, include_usage: bool) -> N
     with backend.openai() as client:
         stream = client.chat.completions.create(
             model="fake-chat",
-            messages=MESSAGES,  # type: ignore[arg-type]
+            messages=MESSAGES,
             stream=True,
-            stream_options={"include_usage": True} if include_usage else None,  # type: ignore[arg-type]
+            stream_options={"include_usage": True} if include_usage else None,
         )
         chunks = list(stream)
     assert all(c.object == "chat.completion.chunk" for c in chunks)
@@ -400,13 +400,13 @@ def test_fast_mode_answers_valid_json_without_logging(spawn: Callable[..., Backe
     b = spawn("--fast", "--tokens", "4")
     with b.openai() as client:
         for _ in range(3):
-            resp = client.chat.completions.create(model="bench", messages=MESSAGES)  # type: ignore[arg-type]
+            resp = client.chat.completions.create(model="bench", messages=MESSAGES)
             assert resp.choices[0].message.content == "Hello from the fake"
             assert resp.usage is not None and resp.usage.total_tokens == 9
         chunks = list(
             client.chat.completions.create(
                 model="bench",
-                messages=MESSAGES,  # type: ignore[arg-type]
+                messages=MESSAGES,
                 stream=True,
                 stream_options={"include_usage": True},
             )
