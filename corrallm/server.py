@@ -35,9 +35,7 @@ def parse_addr(addr: str) -> tuple[str, int]:
 
 
 def run(config: Config, options: ServeOptions) -> None:
-    logging.basicConfig(
-        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s"
-    )
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
     host, port = parse_addr(options.addr)
     options.home.mkdir(parents=True, exist_ok=True)
     gateway = Gateway(config, options.home, options.health_timeout)

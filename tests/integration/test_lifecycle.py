@@ -94,8 +94,10 @@ def test_L3_failed_starts_back_off_before_the_next_try(gateway_factory):
     assert "retries in" in second.json()["error"]["message"]
     assert starts(gw) == 1  # the second request did not spawn again during the back-off
     wait_for(
-        lambda: httpx.post(gw.v1 + "/chat/completions", json=CHAT, timeout=30).status_code == 502
-        and starts(gw) == 2,
+        lambda: (
+            httpx.post(gw.v1 + "/chat/completions", json=CHAT, timeout=30).status_code == 502
+            and starts(gw) == 2
+        ),
         timeout=10,
         interval=0.2,
         what="a second try once the back-off has passed",

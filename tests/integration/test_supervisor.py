@@ -43,8 +43,8 @@ async def make(http: aiohttp.ClientSession, tmp_path: Path):
         await sup.stop()
 
 
-async def wait_state(sup: Supervisor, state: State, timeout: float = 10) -> None:
-    async with asyncio.timeout(timeout):
+async def wait_state(sup: Supervisor, state: State, within: float = 10) -> None:
+    async with asyncio.timeout(within):
         while sup.state is not state:
             await sup._next_change()
 

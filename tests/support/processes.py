@@ -166,7 +166,9 @@ def start_gateway(
 def wait_healthy(gateway: Gateway, timeout: float = 20.0) -> None:
     def up() -> bool:
         if gateway.proc.poll() is not None:
-            raise AssertionError(f"corrallm exited with {gateway.proc.returncode}:\n{gateway.log()}")
+            raise AssertionError(
+                f"corrallm exited with {gateway.proc.returncode}:\n{gateway.log()}"
+            )
         try:
             return httpx.get(gateway.url + "/health", timeout=1).status_code == 200
         except httpx.HTTPError:
