@@ -6,11 +6,14 @@ import json
 import os
 import sys
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
 from corrallm import __version__
+
+if TYPE_CHECKING:
+    from corrallm.config import Config
 
 app = typer.Typer(
     add_completion=False,
@@ -19,9 +22,18 @@ app = typer.Typer(
 )
 
 
-def _default_config() -> Path | None:
+def _load(config: Path | None) -> tuple[Config, Path | None]:
+    """The config named, else ./corrallm.yaml, else the packaged demo; exit 1 listing
+    every problem if it is invalid."""
+    from corrallm.config import ConfigError, load_config, load_demo_config
+
     local = Path("corrallm.yaml")
-    return local if local.exists() else None
+    path = config or (local if local.exists() else None)
+    try:
+        return (load_config(path) if path else load_demo_config()), path
+    except ConfigError as exc:
+        typer.echo(exc.report(), err=True)
+        raise typer.Exit(1) from exc
 
 
 @app.command()
@@ -43,22 +55,21 @@ def serve(
     ] = "120s",
 ) -> None:
     """Serve the gateway on ADDR (default :6502)."""
-    from corrallm.config import ConfigError, load_config, load_demo_config
     from corrallm.config.units import parse_duration
-    from corrallm.server import ServeOptions, run
+    from corrallm.server import ServeOptions, parse_addr, run
 
     try:
         timeout = parse_duration(health_timeout)
     except ValueError as exc:
         raise typer.BadParameter(str(exc), param_hint="--health-timeout") from exc
-    path = config or _default_config()
+    addr = os.environ.get("ADDR", ":6502")
     try:
-        cfg = load_config(path) if path else load_demo_config()
-    except ConfigError as exc:
-        typer.echo(exc.report(), err=True)
-        raise typer.Exit(2) from exc
+        parse_addr(addr)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc), param_hint="ADDR") from exc
+    cfg, path = _load(config)
     options = ServeOptions(
-        addr=os.environ.get("ADDR", ":6502"),
+        addr=addr,
         home=home.expanduser(),
         health_timeout=timeout,
         config_path=path,
@@ -71,14 +82,9 @@ def check(
     config: Annotated[Path | None, typer.Option(help="config file to validate")] = None,
 ) -> None:
     """Validate a config; print a summary, or every problem and exit non-zero."""
-    from corrallm.config import ConfigError, load_config, load_demo_config, summary
+    from corrallm.config import summary
 
-    path = config or _default_config()
-    try:
-        cfg = load_config(path) if path else load_demo_config()
-    except ConfigError as exc:
-        typer.echo(exc.report(), err=True)
-        raise typer.Exit(1) from exc
+    cfg, _ = _load(config)
     typer.echo(summary(cfg))
 
 
