@@ -1,6 +1,6 @@
-"""The running gateway: served models, their routes and process supervisors, built once
-from the config. Everything per-request reads prebuilt tables; nothing here parses config
-on the hot path."""
+"""The running gateway: served models, their routes and process supervisors, residency
+and pauses, built once from the config. Everything per-request reads prebuilt tables;
+nothing here parses config on the hot path."""
 
 from __future__ import annotations
 
@@ -15,19 +15,24 @@ from typing import Any
 import aiohttp
 
 from corrallm.config import Config, backend_id
-from corrallm.config.schema import PriorityGroup, ProcessSpec
+from corrallm.config.schema import Model, PriorityGroup, ProcessSpec
+from corrallm.lifecycle.pauses import Kind, Pausable, Pauses
 from corrallm.lifecycle.pidrecords import PidRecords
 from corrallm.lifecycle.process import adopt, stop_group
 from corrallm.lifecycle.remote import RemoteEndpoint
 from corrallm.lifecycle.state import State
 from corrallm.lifecycle.supervisor import LifecycleError, Supervisor, resolve_url
 from corrallm.proxy.forward import new_session
+from corrallm.residency.manager import Residency, Tenancy
+from corrallm.residency.measure import nvml_reader
 from corrallm.routing.router import Endpoint, Route, ServedModel
 from corrallm.scheduler.fifo import SlotGate
+from corrallm.store.db import Store
 
 log = logging.getLogger("corrallm.lifecycle")
 
 PROBE_TIMEOUT = aiohttp.ClientTimeout(total=2)
+REAPER_SECONDS = 1.0  # how often ttl-expired residents and expired pauses are looked at
 
 
 @dataclass(frozen=True)
@@ -38,35 +43,44 @@ class Caller:
 
 
 class Gateway:
-    def __init__(self, config: Config, home: Path, health_timeout: float = 120.0) -> None:
+    def __init__(
+        self,
+        config: Config,
+        home: Path,
+        health_timeout: float = 120.0,
+        db_path: Path | None = None,
+    ) -> None:
         self.config = config
         self.home = home
         self.health_timeout = health_timeout
         self.started_at = int(time.time())
         self._session: aiohttp.ClientSession | None = None
+        self.store = Store(db_path or home / "corrallm.db")
         self.supervisors: dict[str, Supervisor] = {}
+        self.extensions: dict[str, Supervisor] = {}
         self.routes: dict[str, Route] = {}
         self.models: dict[str, ServedModel] = {}  # by name and by alias
         self.served: list[ServedModel] = []  # each once, in config order
+        self.residency = Residency(dict(config.servers), max_wait=config.scheduler.max_wait)
         self._tasks: set[asyncio.Task[None]] = set()
         self._build()
+        self.pauses = Pauses(self.store, self._pausables())
 
     # -- built once ------------------------------------------------------------------
 
     def _build(self) -> None:
-        extensions = {
-            name: self._supervisor(f"extension:{name}", spec)
-            for name, spec in self.config.extensions.items()
-        }
+        for name, spec in self.config.extensions.items():
+            self.extensions[name] = self._supervisor(f"extension:{name}", spec)
         for name, model in self.config.models.items():
             routes = []
             for index, backend in enumerate(model.backends):
                 bid = backend_id(name, index, backend)
                 endpoint: Endpoint
                 if backend.extension:
-                    endpoint = extensions[backend.extension]
+                    endpoint = self.extensions[backend.extension]
                 elif backend.cmd:
                     endpoint = self._supervisor(bid, backend)
+                    self._track(endpoint, backend, [model])
                 else:
                     assert backend.proxy is not None, "validated config"
                     endpoint = RemoteEndpoint(bid, resolve_url(backend.proxy, None))
@@ -77,6 +91,8 @@ class Gateway:
             self.served.append(served)
             for key in (name, *model.aliases):
                 self.models[key] = served
+        for name, sup in self.extensions.items():
+            self._track(sup, self.config.extensions[name], self.hosted_by(name))
         self._groups = dict(self.config.priority_groups)
         self._default = self.config.scheduler.default_group
 
@@ -87,11 +103,62 @@ class Gateway:
         self.supervisors[sid] = sup
         return sup
 
+    def _track(self, sup: Supervisor, spec: ProcessSpec, models: list[Model]) -> None:
+        """Account the process in its server's pools (R1); pinned if any model it serves is."""
+        server = spec.server or (next(iter(self.config.servers)) if self.config.servers else None)
+        if server is None or not spec.ram_usage:
+            return
+        stickies = [m.sticky for m in models]
+        ttls = [s.ttl for s in stickies if s is not None and s.ttl is not None]
+        costs = [s.evict_cost for s in stickies if s is not None]
+        self.residency.track(
+            Tenancy(
+                sup,
+                server,
+                dict(spec.ram_usage),
+                pinned=any(m.persistent for m in models),
+                # An extension expires only once every model it hosts would.
+                ttl=max(ttls) if ttls and len(ttls) == len(models) else None,
+                evict_cost=max(costs, key=["low", "medium", "high"].index, default="medium"),
+            )
+        )
+
+    def hosted_by(self, extension: str) -> list[Model]:
+        return [
+            m
+            for m in self.config.models.values()
+            if any(b.extension == extension for b in m.backends)
+        ]
+
+    def _pausables(self) -> dict[tuple[Kind, str], Pausable]:
+        targets: dict[tuple[Kind, str], Pausable] = {}
+        for served in self.served:
+            targets[("model", served.name)] = Pausable(
+                "model", served.name, self.own_supervisors(served), served.config.persistent
+            )
+        for name, sup in self.extensions.items():
+            pinned = any(m.persistent for m in self.hosted_by(name))
+            targets[("extension", name)] = Pausable("extension", name, [sup], pinned)
+        return targets
+
+    def own_supervisors(self, served: ServedModel) -> list[Supervisor]:
+        """The processes a model alone owns (not the extensions it shares with others)."""
+        return [
+            r.endpoint
+            for r in served.routes
+            if isinstance(r.endpoint, Supervisor) and not r.config.extension
+        ]
+
     # -- callers ---------------------------------------------------------------------
 
     def caller(self, key: str | None) -> Caller:
         group_name = self.config.keys.get(key, self._default) if key else self._default
         return Caller(key, group_name, self._groups.get(group_name))
+
+    def placeable(self, route: Route) -> bool:
+        """Could this route serve now without waiting for memory (R2 spill)?"""
+        endpoint = route.endpoint
+        return not isinstance(endpoint, Supervisor) or self.residency.could_fit(endpoint)
 
     @property
     def session(self) -> aiohttp.ClientSession:
@@ -111,16 +178,21 @@ class Gateway:
 
     async def start(self) -> None:
         self._session = new_session()
+        await self.store.open()
+        self.residency.reader = await asyncio.to_thread(nvml_reader)
         await self._recover_records()
+        await self.pauses.restore()
         for served in self.served:
-            if served.config.persistent:
+            if served.config.persistent and not self.pauses.paused("model", served.name):
                 self._background(self._preload(served))
+        self._background(self._reaper())
 
     async def stop(self) -> None:
         """Stop every backend this gateway started; nothing is left behind (L5)."""
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*(sup.stop() for sup in self.supervisors.values()))
+        await self.store.close()
         if self._session is not None:
             await self._session.close()
 
@@ -141,10 +213,20 @@ class Gateway:
         await asyncio.gather(*adoptions)
 
     async def _preload(self, served: ServedModel) -> None:
+        """R3: persistent models are loaded at boot."""
         try:
             await served.primary.endpoint.ensure_ready()
         except LifecycleError as exc:
             log.warning("preload of %s failed: %s", served.name, exc)
+
+    async def _reaper(self) -> None:
+        while True:
+            await asyncio.sleep(REAPER_SECONDS)
+            try:
+                await self.residency.reap_expired()
+                await self.pauses.expire()
+            except Exception:
+                log.exception("reaper pass failed; trying again")
 
     def _background(self, coro: Coroutine[Any, Any, None]) -> None:
         task = asyncio.create_task(coro)

@@ -30,7 +30,9 @@ def parse_duration(value: object) -> float:
         raise ValueError(f"expected a duration like 30s or 5m, got {value!r}")
     if isinstance(value, int | float):
         if value < 0 or not math.isfinite(value):
-            raise ValueError(f"a duration must be a finite, non-negative number of seconds, got {value!r}")
+            raise ValueError(
+                f"a duration must be a finite, non-negative number of seconds, got {value!r}"
+            )
         return float(value)
     if isinstance(value, str):
         match = _DURATION.match(value)
@@ -45,7 +47,9 @@ def parse_size(value: object) -> int:
         raise ValueError(f"expected a size like 512MB or 1GiB, got {value!r}")
     if isinstance(value, int | float):
         if value < 0 or not math.isfinite(value):
-            raise ValueError(f"a size must be a finite, non-negative number of bytes, got {value!r}")
+            raise ValueError(
+                f"a size must be a finite, non-negative number of bytes, got {value!r}"
+            )
         return int(value)
     if isinstance(value, str):
         match = _SIZE.match(value)

@@ -19,7 +19,8 @@ class State(StrEnum):
 TRANSITIONS: dict[State, frozenset[State]] = {
     State.STOPPED: frozenset({State.STARTING, State.PAUSED}),
     # STARTING -> STOPPING: unload or shutdown while loading, or the health timeout kill.
-    State.STARTING: frozenset({State.READY, State.FAILED, State.STOPPING}),
+    # STARTING -> STOPPED: no room could be made in the memory pools; nothing was spawned.
+    State.STARTING: frozenset({State.READY, State.FAILED, State.STOPPING, State.STOPPED}),
     # READY -> STOPPED: the process exited on its own (crash); the next request restarts it.
     State.READY: frozenset({State.DRAINING, State.STOPPING, State.STOPPED}),
     State.DRAINING: frozenset({State.STOPPING, State.STOPPED}),

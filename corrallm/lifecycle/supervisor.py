@@ -24,6 +24,7 @@ from corrallm.lifecycle.state import BUSY, State, check_transition
 
 Probe = Callable[[str], Awaitable[int | None]]
 Listener = Callable[["Supervisor", State, State], None]
+Room = Callable[["Supervisor"], Awaitable[None]]
 
 HEALTH_POLL_SECONDS = 0.1  # L1: readiness seen within 250 ms of the backend turning healthy
 LOG_TAIL_LINES = 15
@@ -79,6 +80,10 @@ class Supervisor:
     backoff: Backoff = field(default_factory=Backoff)
     clock: Callable[[], float] = time.monotonic
     listeners: list[Listener] = field(default_factory=list)
+    # Called before each spawn to make room in the memory pools; raises a LifecycleError
+    # (NoRoom) when it cannot, which every caller waiting on that start receives.
+    room: Room | None = None
+    idle_listeners: list[Callable[[Supervisor], None]] = field(default_factory=list)
 
     state: State = State.STOPPED
     in_flight: int = 0
@@ -98,6 +103,7 @@ class Supervisor:
         self._changed = asyncio.Event()
         self._start_task: asyncio.Task[None] | None = None
         self._watcher: asyncio.Task[None] | None = None
+        self._pause_wanted = False
 
     # -- what callers ask ------------------------------------------------------------
 
@@ -116,7 +122,15 @@ class Supervisor:
                 # Move to STARTING before yielding, so concurrent cold callers coalesce (L2).
                 self._move(State.STARTING)
                 self._start_task = asyncio.create_task(self._start(), name=f"start-{self.id}")
-            await self._next_change()
+                self._start_task.add_done_callback(_retrieve)
+            task = self._start_task
+            if self.state is State.STARTING and task is not None and not task.done():
+                await asyncio.wait({task})
+                error = None if task.cancelled() else task.exception()
+                if isinstance(error, LifecycleError):
+                    raise error
+            else:
+                await self._next_change()
 
     def available(self) -> bool:
         """Worth routing to: not paused and not backing off after a failed start (F1)."""
@@ -134,8 +148,11 @@ class Supervisor:
     def leave(self) -> None:
         self.in_flight -= 1
         self.last_used = self.clock()
-        if self.in_flight == 0 and self.state is State.DRAINING:
-            self._notify()
+        if self.in_flight == 0:
+            if self.state is State.DRAINING:
+                self._notify()
+            for listener in self.idle_listeners:
+                listener(self)
 
     async def load(self) -> None:
         """An explicit load: refused while another lifecycle action runs (L4)."""
@@ -171,6 +188,22 @@ class Supervisor:
             await self._next_change()
         self.logs.close()
 
+    async def pause(self) -> None:
+        """Drain and stop, then stay PAUSED: no request or load starts it (P1)."""
+        self._pause_wanted = True
+        if self.state is State.STARTING:
+            await self._cancel_start()
+        await self.unload()
+        # unload() returned without yielding after STOPPED: nobody restarted it in between.
+        if self._pause_wanted and self.state in (State.STOPPED, State.FAILED):
+            self._move(State.PAUSED)
+
+    def unpause(self) -> None:
+        """Back in service; a pause still tearing the process down stops short of PAUSED."""
+        self._pause_wanted = False
+        if self.state is State.PAUSED:
+            self._move(State.STOPPED)
+
     async def adopt(self, record: PidRecord) -> bool:
         """After a crash of corrallm: take over a recorded process only if it is healthy (L5)."""
         if not record.is_alive():
@@ -195,6 +228,12 @@ class Supervisor:
 
     async def _start(self) -> None:
         try:
+            if self.room is not None:
+                try:
+                    await self.room(self)
+                except LifecycleError:
+                    self._move(State.STOPPED)
+                    raise
             await self._spawn_and_wait()
         except asyncio.CancelledError:
             if self.proc is not None:
@@ -333,6 +372,12 @@ class Supervisor:
 
     async def _next_change(self) -> None:
         await self._changed.wait()
+
+
+def _retrieve(task: asyncio.Task[None]) -> None:
+    """A start nobody waits on any more must not warn that its error was never retrieved."""
+    if not task.cancelled():
+        task.exception()
 
 
 def _port_of(proxy: str) -> int | None:

@@ -17,6 +17,7 @@ from corrallm.lifecycle.supervisor import BackendFailed, BackendPaused
 from corrallm.proxy.asgi import Receive, Scope, Send, header
 from corrallm.proxy.errors import ApiError, bad_gateway, bad_request, not_found, unavailable
 from corrallm.proxy.forward import DisconnectWatch, forward, request_headers
+from corrallm.residency.manager import NoRoom
 from corrallm.routing.router import Route, ServedModel
 
 log = logging.getLogger("corrallm.proxy")
@@ -86,8 +87,10 @@ def upstream_body(body: bytes, payload: dict[str, Any], route: Route) -> bytes:
 async def serve(gateway: Gateway, scope: Scope, receive: Receive, send: Send, body: bytes) -> None:
     payload, model = parse_request(body)
     served = lookup(gateway, model)
+    if gateway.pauses.paused("model", served.name):
+        raise model_paused(served.name)
     caller = gateway.caller(caller_key(scope))
-    route = served.pick(caller.group)
+    route = served.pick(caller.group, gateway.placeable)
     data = upstream_body(body, payload, route)
     extra = [(b"x-corrallm-backend", route.id.encode())]
     if served.degraded(route):
@@ -129,17 +132,23 @@ async def _enter_ready(route: Route) -> None:
             return
 
 
+def model_paused(model: str) -> ApiError:
+    # F3: a pause is a decision, not congestion: no Retry-After.
+    return unavailable(
+        f"The model '{model}' is paused by an operator; it serves again once unpaused.",
+        code="paused",
+    )
+
+
 async def _ready(route: Route) -> None:
     try:
         await route.endpoint.ensure_ready()
     except BackendPaused as exc:
-        raise unavailable(
-            f"The model '{route.model}' is paused by an operator: {exc}. "
-            "It serves again once unpaused.",
-            code="paused",
-        ) from exc
+        raise model_paused(route.model) from exc
     except BackendFailed as exc:
         raise bad_gateway(str(exc), code="backend_start_failed") from exc
+    except NoRoom as exc:
+        raise unavailable(str(exc), code="insufficient_capacity") from exc
 
 
 async def upstream(

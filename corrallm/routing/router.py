@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -58,19 +59,32 @@ class ServedModel:
     def primary(self) -> Route:
         return self.routes[0]
 
-    def pick(self, group: PriorityGroup | None) -> Route:
+    def pick(
+        self, group: PriorityGroup | None, placeable: Callable[[Route], bool] | None = None
+    ) -> Route:
         """The first tier the group may use with an available backend; round-robin within.
 
-        With none available, the primary answers, so the caller hears why (paused, failed).
+        With `placeable`, a backend that cannot be given memory now is passed over for the
+        next one that can (R2 spill); if none can, the first choice waits for room. With
+        none available at all, the primary answers, so the caller hears why (paused, failed).
         """
         primary_quality = self.primary.config.quality
+        first: Route | None = None
         for tier, turns in zip(self._tiers, self._turns, strict=True):
             if not may_serve(tier[0].config, primary_quality, group):
                 continue
             candidates = [r for r in tier if r.endpoint.available()]
-            if candidates:
-                return candidates[next(turns) % len(candidates)]
-        return self.primary
+            if not candidates:
+                continue
+            start = next(turns)
+            ordered = [candidates[(start + i) % len(candidates)] for i in range(len(candidates))]
+            if placeable is None:
+                return ordered[0]
+            first = first or ordered[0]
+            for route in ordered:
+                if placeable(route):
+                    return route
+        return first or self.primary
 
     def degraded(self, route: Route) -> bool:
         return route.config.quality < self.primary.config.quality
