@@ -47,6 +47,10 @@ def serve(
     home: Annotated[
         Path, typer.Option(envvar="CORRALLM_HOME", help="state folder: PID records, logs, store")
     ] = Path("~/.corrallm"),
+    db: Annotated[
+        Path | None,
+        typer.Option(envvar="CORRALLM_DB", help="the SQLite store (default <home>/corrallm.db)"),
+    ] = None,
     health_timeout: Annotated[
         str,
         typer.Option(
@@ -73,6 +77,7 @@ def serve(
         home=home.expanduser(),
         health_timeout=timeout,
         config_path=path,
+        db=db.expanduser() if db else None,
     )
     run(cfg, options)
 

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import uvicorn
 
+from corrallm.api.auth import ensure_token
 from corrallm.config import Config
 from corrallm.gateway import Gateway
 from corrallm.proxy.app import CorrallmApp
@@ -23,6 +24,7 @@ class ServeOptions:
     home: Path
     health_timeout: float
     config_path: Path | None
+    db: Path | None = None
 
 
 def parse_addr(addr: str) -> tuple[str, int]:
@@ -38,7 +40,8 @@ def run(config: Config, options: ServeOptions) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
     host, port = parse_addr(options.addr)
     options.home.mkdir(parents=True, exist_ok=True)
-    gateway = Gateway(config, options.home, options.health_timeout)
+    gateway = Gateway(config, options.home, options.health_timeout, options.db)
+    token = ensure_token(options.home)
     source = options.config_path or "the packaged demo config"
     logging.getLogger("corrallm").info(
         "serving %d models from %s on %s:%d (home %s)",
@@ -50,7 +53,7 @@ def run(config: Config, options: ServeOptions) -> None:
     )
     server = uvicorn.Server(
         uvicorn.Config(
-            CorrallmApp(gateway),
+            CorrallmApp(gateway, token),
             host=host,
             port=port,
             loop="uvloop",

@@ -250,7 +250,6 @@ class FakeBackend:
 
     def _crash(self, sent: int) -> None:
         self.log(f"srv  crash: exiting after {sent} token chunks (--crash-after-tokens)")
-        sys.stdout.flush()
         os._exit(1)
 
     # --- other endpoints ---------------------------------------------------------------------

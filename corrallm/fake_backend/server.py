@@ -17,9 +17,30 @@ from corrallm.fake_backend.options import Options, parse_options
 
 
 def log(line: str) -> None:
-    """Print one line and flush it (the gateway reads our stdout through a pipe)."""
-    sys.stdout.write(line + "\n")
-    sys.stdout.flush()
+    """Print one line and flush it (the gateway reads our stdout through a pipe).
+
+    When the reader is gone (the gateway died; we may be re-adopted later), further output
+    goes to /dev/null instead of failing requests and signal handling.
+    """
+    try:
+        sys.stdout.write(line + "\n")
+        sys.stdout.flush()
+    except OSError:
+        _stdout_to_devnull()
+
+
+def _raw_log(line: str) -> None:
+    """Unbuffered and exception-free: safe inside a signal handler."""
+    try:
+        os.write(1, line.encode() + b"\n")
+    except OSError:
+        _stdout_to_devnull()
+
+
+def _stdout_to_devnull() -> None:
+    fd = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(fd, 1)
+    os.close(fd)
 
 
 def bind(host: str, port: int) -> socket.socket:
@@ -126,7 +147,7 @@ class _Server(uvicorn.Server):
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         # A signal handler may interrupt a buffered print: write the raw fd instead.
         if self.ignore_sigterm and sig == signal.SIGTERM:
-            os.write(1, b"main: received SIGTERM, ignoring it (--ignore-sigterm)\n")
+            _raw_log("main: received SIGTERM, ignoring it (--ignore-sigterm)")
             return
-        os.write(1, f"main: received signal {sig}, shutting down\n".encode())
         super().handle_exit(sig, frame)
+        _raw_log(f"main: received signal {sig}, shutting down")

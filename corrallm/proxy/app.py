@@ -12,9 +12,12 @@ from collections.abc import Awaitable, Callable
 
 import orjson
 
+from corrallm.api.auth import authorized, canonical
+from corrallm.api.rest import build_rest
 from corrallm.gateway import Gateway
 from corrallm.proxy import inference
 from corrallm.proxy.asgi import (
+    ASGIApp,
     BodyTooLarge,
     ClientGone,
     Receive,
@@ -37,10 +40,12 @@ _HEALTH = orjson.dumps({"status": "ok"})
 
 
 class CorrallmApp:
-    def __init__(self, gateway: Gateway) -> None:
+    def __init__(self, gateway: Gateway, admin_token: str) -> None:
         self.gateway = gateway
+        self._admin_token = admin_token
         self._ids = itertools.count(1)
         self._models_body = self._models_list()
+        self._management: ASGIApp = build_rest(gateway)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         kind = scope["type"]
@@ -63,6 +68,8 @@ class CorrallmApp:
             elif path == "/v1/models":
                 _require(method, "GET", path)
                 await send_bytes(send, 200, self._models_body)
+            elif path == "/api" or path.startswith("/api/"):
+                await self._management_api(scope, receive, send)
             else:
                 raise not_found(
                     f"No endpoint {method} {path}. corrallm serves POST "
@@ -80,6 +87,23 @@ class CorrallmApp:
                 f"corrallm hit an unexpected error (request {request_id}); "
                 "the gateway log has the details."
             ).send(send)
+
+    async def _management_api(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """P3: the whole /api subtree is behind the admin token, checked before routing."""
+        if not canonical(scope):
+            raise not_found(
+                f"No endpoint {scope['path']}: management paths are plain /api/v1/<name>."
+            )
+        if not authorized(scope, self._admin_token):
+            raise ApiError(
+                401,
+                "The management API needs the admin token (the file admin.token in corrallm's "
+                "home folder) as 'Authorization: Bearer <token>' or the corrallm_token cookie.",
+                type="authentication_error",
+                code="unauthorized",
+                headers={"www-authenticate": "Bearer"},
+            )
+        await self._management(scope, receive, send)
 
     async def _with_body(
         self, handler: Handler, scope: Scope, receive: Receive, send: Send

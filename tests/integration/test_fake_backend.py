@@ -396,6 +396,32 @@ def test_sigterm_stops_it_and_ignore_sigterm_does_not(spawn: Callable[..., Backe
     assert stubborn.proc.wait(timeout=DEADLINE) == -signal.SIGKILL
 
 
+def test_a_closed_stdout_pipe_breaks_neither_requests_nor_sigterm() -> None:
+    # The gateway that read our log may die; a re-adopted backend must keep working.
+    port = free_port()
+    cmd = [sys.executable, "-m", "corrallm", "fake-backend", "--port", str(port)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, start_new_session=True)
+    try:
+        assert proc.stdout is not None
+        proc.stdout.close()
+        url = f"http://127.0.0.1:{port}"
+
+        def chat_status() -> int | None:
+            try:
+                return httpx.post(f"{url}/v1/completions", json={"prompt": "x"}).status_code
+            except httpx.TransportError:
+                return None
+
+        assert wait_until(chat_status, what="a completion") == 200
+        assert chat_status() == 200
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=DEADLINE) in (0, -signal.SIGTERM)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=DEADLINE)
+
+
 def test_fast_mode_answers_valid_json_without_logging(spawn: Callable[..., Backend]) -> None:
     b = spawn("--fast", "--tokens", "4")
     with b.openai() as client:

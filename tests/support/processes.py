@@ -92,6 +92,32 @@ class Gateway:
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
 
+    @property
+    def token(self) -> str:
+        return (self.home / "admin.token").read_text().strip()
+
+    def api(
+        self, method: str, path: str, json: object = None, timeout: float = 60
+    ) -> httpx.Response:
+        """Call the management API with the admin token."""
+        return httpx.request(
+            method,
+            f"{self.url}/api/v1/{path}",
+            json=json,
+            headers={"Authorization": f"Bearer {self.token}"},
+            timeout=timeout,
+        )
+
+    def overview_backend(self, backend: str) -> dict[str, object]:
+        for model in self.api("GET", "overview").json()["models"]:
+            for b in model["backends"]:
+                if b["id"] == backend:
+                    return b
+        raise AssertionError(f"no backend {backend} in the overview")
+
+    def state(self, backend: str) -> str:
+        return str(self.overview_backend(backend)["state"])
+
     def records(self) -> dict[str, dict[str, object]]:
         import json
 

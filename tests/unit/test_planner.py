@@ -108,7 +108,11 @@ def test_R2_planner_properties(residents, need, now):
         order = [x.id for x in eviction_order(admitted, now)]
         for victim in victims:
             for other in admitted:
-                if other.id in order and other.id not in result.evict and other.usage == victim.usage:
+                if (
+                    other.id in order
+                    and other.id not in result.evict
+                    and other.usage == victim.usage
+                ):
                     assert order.index(victim.id) < order.index(other.id)
     else:
         evictable = {x.id for x in admitted if x.idle and not x.pinned}

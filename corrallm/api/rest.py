@@ -1,0 +1,108 @@
+"""The management REST API under `/api/v1/` (FastAPI, so the OpenAPI document comes free).
+
+Every route is a thin call into `api/service.py`; errors leave in the OpenAI shape.
+Admin auth is checked before any request reaches this app (see `api/auth.py`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import FastAPI, Query, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException
+
+from corrallm import __version__
+from corrallm.api import schemas, service
+from corrallm.api.service import ServiceError
+from corrallm.gateway import Gateway
+
+PREFIX = "/api/v1"
+
+
+def error(
+    status: int, message: str, code: str, type: str = "invalid_request_error"
+) -> JSONResponse:
+    body = {"error": {"message": message, "type": type, "param": None, "code": code}}
+    return JSONResponse(body, status_code=status)
+
+
+def build_rest(gw: Gateway) -> FastAPI:
+    app = FastAPI(
+        title="corrallm management API",
+        version=__version__,
+        openapi_url=f"{PREFIX}/openapi.json",
+        docs_url=f"{PREFIX}/docs",
+        redoc_url=None,
+    )
+
+    @app.exception_handler(ServiceError)
+    async def service_error(_: Request, exc: ServiceError) -> JSONResponse:
+        kind = "api_error" if exc.status >= 500 else "invalid_request_error"
+        return error(exc.status, exc.message, exc.code, kind)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
+        problems = "; ".join(
+            f"{'.'.join(str(p) for p in e['loc'] if p != 'body') or 'body'}: {e['msg']}"
+            for e in exc.errors()
+        )
+        return error(400, f"Invalid request: {problems}.", "invalid_request")
+
+    @app.exception_handler(HTTPException)
+    async def http_error(_: Request, exc: HTTPException) -> JSONResponse:
+        message = str(exc.detail)
+        if exc.status_code == 404:
+            message = f"No management endpoint here; see {PREFIX}/openapi.json."
+        return error(exc.status_code, message, "not_found" if exc.status_code == 404 else "error")
+
+    @app.get(f"{PREFIX}/overview", response_model=schemas.Overview)
+    async def overview() -> dict[str, Any]:
+        return service.overview(gw)
+
+    @app.get(f"{PREFIX}/residency", response_model=schemas.Residency)
+    async def residency() -> dict[str, Any]:
+        return service.residency(gw)
+
+    @app.get(f"{PREFIX}/models/logs", response_model=schemas.Logs)
+    async def model_logs(
+        model: str = Query(min_length=1), lines: int = Query(100, ge=0, le=10000)
+    ) -> dict[str, Any]:
+        return service.model_logs(gw, model, lines)
+
+    @app.post(f"{PREFIX}/models/load", response_model=schemas.ActionResult)
+    async def load_model(body: schemas.ModelRef) -> dict[str, Any]:
+        """Load a model's backend; answers once it is ready (409 while busy, 423 paused)."""
+        return await service.load_model(gw, body.model)
+
+    @app.post(f"{PREFIX}/models/unload", response_model=schemas.ActionResult)
+    async def unload_model(body: schemas.ModelUnload) -> dict[str, Any]:
+        """Drain in-flight requests (unless `force`), then stop the model's processes."""
+        return await service.unload_model(gw, body.model, body.force)
+
+    @app.post(f"{PREFIX}/models/pause", response_model=schemas.PauseResult)
+    async def pause_model(body: schemas.ModelPause) -> dict[str, Any]:
+        return await service.pause(gw, "model", body.model, body.until)
+
+    @app.post(f"{PREFIX}/models/unpause", response_model=schemas.PauseResult)
+    async def unpause_model(body: schemas.ModelRef) -> dict[str, Any]:
+        return await service.unpause(gw, "model", body.model)
+
+    @app.post(f"{PREFIX}/extensions/load", response_model=schemas.ActionResult)
+    async def load_extension(body: schemas.ExtensionRef) -> dict[str, Any]:
+        return await service.load_extension(gw, body.extension)
+
+    @app.post(f"{PREFIX}/extensions/unload", response_model=schemas.ActionResult)
+    async def unload_extension(body: schemas.ExtensionUnload) -> dict[str, Any]:
+        return await service.unload_extension(gw, body.extension, body.force)
+
+    @app.post(f"{PREFIX}/extensions/pause", response_model=schemas.PauseResult)
+    async def pause_extension(body: schemas.ExtensionPause) -> dict[str, Any]:
+        return await service.pause(gw, "extension", body.extension, body.until)
+
+    @app.post(f"{PREFIX}/extensions/unpause", response_model=schemas.PauseResult)
+    async def unpause_extension(body: schemas.ExtensionRef) -> dict[str, Any]:
+        return await service.unpause(gw, "extension", body.extension)
+
+    return app

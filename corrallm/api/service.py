@@ -1,0 +1,277 @@
+"""The one service layer behind every management surface (REST now; GraphQL, the dashboard
+and the CLI later): operator actions and the views of SPEC §14. Plain functions over the
+gateway; surfaces translate `ServiceError` into their own error shapes."""
+
+from __future__ import annotations
+
+import time
+from datetime import UTC, datetime
+from typing import Any
+
+from corrallm.config.units import parse_duration
+from corrallm.gateway import Gateway
+from corrallm.lifecycle.pauses import Kind
+from corrallm.lifecycle.supervisor import (
+    BackendFailed,
+    BackendPaused,
+    LifecycleBusy,
+    LifecycleError,
+    Supervisor,
+)
+from corrallm.residency.manager import NoRoom
+from corrallm.routing.router import ServedModel
+
+
+class ServiceError(Exception):
+    def __init__(self, status: int, message: str, code: str) -> None:
+        super().__init__(message)
+        self.status, self.message, self.code = status, message, code
+
+
+# -- lookups -------------------------------------------------------------------------
+
+
+def served_model(gw: Gateway, name: str) -> ServedModel:
+    served = gw.models.get(name)
+    if served is None:
+        known = ", ".join(s.name for s in gw.served) or "none"
+        raise ServiceError(
+            404, f"No model '{name}'. Configured models: {known}.", "model_not_found"
+        )
+    return served
+
+
+def extension(gw: Gateway, name: str) -> Supervisor:
+    sup = gw.extensions.get(name)
+    if sup is None:
+        known = ", ".join(gw.extensions) or "none"
+        raise ServiceError(
+            404, f"No extension '{name}'. Configured extensions: {known}.", "extension_not_found"
+        )
+    return sup
+
+
+def parse_until(value: str | float | None) -> float | None:
+    """`until`: an RFC 3339 time, or a duration from now (`30m`, `2h`); None: until unpaused."""
+    if value is None:
+        return None
+    now = time.time()
+    if isinstance(value, int | float):
+        until = float(value)
+    else:
+        try:
+            until = datetime.fromisoformat(value.replace("Z", "+00:00")).timestamp()
+        except ValueError:
+            try:
+                until = now + parse_duration(value)
+            except ValueError:
+                raise ServiceError(
+                    400,
+                    f"'until' must be an RFC 3339 time (2026-12-01T08:00:00Z) or a duration "
+                    f"from now (30m, 2h), got {value!r}.",
+                    "invalid_until",
+                ) from None
+    if until <= now:
+        raise ServiceError(400, f"'until' ({rfc3339(until)}) is in the past.", "invalid_until")
+    return until
+
+
+def rfc3339(unix: float | None) -> str | None:
+    if unix is None:
+        return None
+    return datetime.fromtimestamp(unix, UTC).isoformat().replace("+00:00", "Z")
+
+
+def wall(gw: Gateway, monotonic: float | None) -> str | None:
+    """A monotonic instant (what supervisors keep) as an RFC 3339 wall-clock time."""
+    if not monotonic:
+        return None
+    return rfc3339(time.time() - (time.monotonic() - monotonic))
+
+
+# -- actions -------------------------------------------------------------------------
+
+
+async def load_model(gw: Gateway, name: str) -> dict[str, Any]:
+    served = served_model(gw, name)
+    if gw.pauses.paused("model", served.name):
+        raise ServiceError(423, f"Model '{served.name}' is paused; unpause it first.", "paused")
+    route = served.pick(None, gw.placeable)
+    endpoint = route.endpoint
+    try:
+        if isinstance(endpoint, Supervisor):
+            await endpoint.load()
+        else:
+            await endpoint.ensure_ready()
+    except LifecycleError as exc:
+        raise _lifecycle_error(exc) from exc
+    return {"model": served.name, "backend": route.id, "state": str(endpoint.state)}
+
+
+async def unload_model(gw: Gateway, name: str, force: bool = False) -> dict[str, Any]:
+    served = served_model(gw, name)
+    own = gw.own_supervisors(served)
+    if not own:
+        hosts = sorted({r.config.extension for r in served.routes if r.config.extension})
+        what = f"hosted by extension {', '.join(hosts)}" if hosts else "a pure proxy"
+        raise ServiceError(
+            409,
+            f"Model '{served.name}' has no process of its own to unload: it is {what}."
+            + (" Unload the extension instead." if hosts else ""),
+            "nothing_to_unload",
+        )
+    await _unload(own, force)
+    return {"model": served.name, "state": str(own[0].state)}
+
+
+def _pause_target(gw: Gateway, kind: Kind, name: str) -> str:
+    """The configured name a pause is kept under (a model's alias resolves to the model)."""
+    if kind == "model":
+        return served_model(gw, name).name
+    extension(gw, name)
+    return name
+
+
+async def pause(gw: Gateway, kind: Kind, name: str, until: str | float | None) -> dict[str, Any]:
+    target = _pause_target(gw, kind, name)
+    when = parse_until(until)
+    await gw.pauses.pause(kind, target, when)
+    return {kind: target, "paused": True, "paused_until": rfc3339(when)}
+
+
+async def unpause(gw: Gateway, kind: Kind, name: str) -> dict[str, Any]:
+    target = _pause_target(gw, kind, name)
+    await gw.pauses.unpause(kind, target)
+    return {kind: target, "paused": False, "paused_until": None}
+
+
+async def load_extension(gw: Gateway, name: str) -> dict[str, Any]:
+    sup = extension(gw, name)
+    if gw.pauses.paused("extension", name):
+        raise ServiceError(423, f"Extension '{name}' is paused; unpause it first.", "paused")
+    try:
+        await sup.load()
+    except LifecycleError as exc:
+        raise _lifecycle_error(exc) from exc
+    return {"extension": name, "state": str(sup.state)}
+
+
+async def unload_extension(gw: Gateway, name: str, force: bool = False) -> dict[str, Any]:
+    sup = extension(gw, name)
+    await _unload([sup], force)
+    return {"extension": name, "state": str(sup.state)}
+
+
+async def _unload(sups: list[Supervisor], force: bool) -> None:
+    for sup in sups:
+        try:
+            await sup.unload(force=force)
+        except LifecycleBusy as exc:
+            raise ServiceError(409, f"{exc} (or pass force: true).", "lifecycle_busy") from exc
+
+
+def _lifecycle_error(exc: LifecycleError) -> ServiceError:
+    if isinstance(exc, LifecycleBusy):
+        return ServiceError(409, str(exc), "lifecycle_busy")
+    if isinstance(exc, BackendPaused):
+        return ServiceError(423, str(exc), "paused")
+    if isinstance(exc, NoRoom):
+        return ServiceError(503, str(exc), "insufficient_capacity")
+    if isinstance(exc, BackendFailed):
+        return ServiceError(502, str(exc), "backend_start_failed")
+    return ServiceError(502, str(exc), "backend_error")
+
+
+# -- views ---------------------------------------------------------------------------
+
+
+def model_logs(gw: Gateway, name: str, lines: int = 100) -> dict[str, Any]:
+    served = served_model(gw, name)
+    endpoint = served.primary.endpoint
+    if not isinstance(endpoint, Supervisor):
+        return {"model": served.name, "lines": [], "n_ctx": None, "n_slots": None}
+    logs = endpoint.logs
+    return {
+        "model": served.name,
+        "lines": logs.tail(lines),
+        "n_ctx": logs.n_ctx,
+        "n_slots": logs.n_slots,
+    }
+
+
+def overview(gw: Gateway) -> dict[str, Any]:
+    models = []
+    for served in gw.served:
+        until = gw.pauses.until.get(("model", served.name))
+        paused = gw.pauses.paused("model", served.name)
+        backends = []
+        for route in served.routes:
+            endpoint = route.endpoint
+            logs = endpoint.logs if isinstance(endpoint, Supervisor) else None
+            tenancy = gw.residency.tenancies.get(endpoint.id)
+            backends.append(
+                {
+                    "id": route.id,
+                    "state": str(endpoint.state),
+                    "server": tenancy.server if tenancy else route.config.server,
+                    "quality": route.config.quality,
+                    "type": route.config.type,
+                    "max_concurrent": route.config.max_concurrent,
+                    "in_flight": route.gate.in_use,
+                    "waiting": route.gate.waiting,
+                    "n_ctx": logs.n_ctx if logs else None,
+                    "n_slots": logs.n_slots if logs else None,
+                    "pid": endpoint.pid if isinstance(endpoint, Supervisor) else None,
+                    "extension": route.config.extension,
+                    "last_error": getattr(endpoint, "last_error", None),
+                }
+            )
+        models.append(
+            {
+                "name": served.name,
+                "aliases": list(served.config.aliases),
+                "state": "paused" if paused else backends[0]["state"],
+                "paused": paused,
+                "paused_until": rfc3339(until) if paused else None,
+                "persistent": served.config.persistent,
+                "backends": backends,
+            }
+        )
+    servers = [
+        {
+            "name": name,
+            "pools": {
+                pool: {
+                    "capacity": capacity,
+                    "reserve": server.reserve.get(pool, 0),
+                    "used": gw.residency.used(name).get(pool, 0),
+                }
+                for pool, capacity in server.pools.items()
+            },
+        }
+        for name, server in gw.config.servers.items()
+    ]
+    return {"models": models, "servers": servers}
+
+
+def residency(gw: Gateway) -> dict[str, Any]:
+    servers = []
+    for name in gw.config.servers:
+        residents = []
+        for tenancy in gw.residency.residents(name):
+            sup = tenancy.supervisor
+            residents.append(
+                {
+                    "backend": sup.id,
+                    "state": str(sup.state),
+                    "ram_usage": tenancy.usage,
+                    "measured": tenancy.measured,
+                    "in_flight": sup.in_flight,
+                    "last_used": wall(gw, sup.last_used),
+                    "ttl_expires_at": wall(gw, tenancy.ttl_expires_at()),
+                    "evict_cost": tenancy.evict_cost,
+                    "pinned": tenancy.pinned,
+                }
+            )
+        servers.append({"name": name, "residents": residents})
+    return {"servers": servers}
