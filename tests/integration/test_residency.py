@@ -1,4 +1,4 @@
-"""SPEC §5 R1–R4 through a real gateway: pools, eviction order, busy residents, ttl."""
+"""SPEC §5 R1-R4 through a real gateway: pools, eviction order, busy residents, ttl."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""R1–R4: the eviction planner, by example and by property (hypothesis)."""
+"""R1-R4: the eviction planner, by example and by property (hypothesis)."""
 
 from __future__ import annotations
 
