@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
@@ -120,10 +119,4 @@ def fake_backend(ctx: typer.Context) -> None:
 
 
 def main() -> None:
-    # The fake backend is spawned often (tests, demo); skip Typer's import cost for it.
-    if len(sys.argv) > 1 and sys.argv[1] == "fake-backend":
-        from corrallm.fake_backend import main as fake_main
-
-        fake_main(sys.argv[2:])
-        return
     app()

@@ -1,0 +1,405 @@
+"""The scheduling core (SPEC §6 S1-S5, §7, §8 F1): a plain object, the clock passed in.
+
+It knows backends (slots), groups (weights, share currency), queues, running requests and
+leases, and answers with decisions; it never awaits, sleeps, logs or touches a socket.
+The async wrapper (`admission.py`) carries the decisions out and reports back.
+
+- Fairshare (S3): when a slot frees, the next request comes from the waiting group with
+  the lowest decayed usage / weight; FIFO within a group. A group that becomes active is
+  lifted to the current minimum, so idle time is not banked.
+- Policies (S2), per request: preempt -> spill -> queue -> reject.
+- Leases (V2): other lanes see `capacity - unused slots reserved by other lanes`; a lease
+  never takes a slot from a running request.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Literal
+
+HALF_LIFE_SECONDS = 120.0  # usage decay: what a group used two minutes ago counts half
+EWMA = 0.2  # weight of the newest sample in the dwell and service-time averages
+
+Currency = Literal["requests", "slotSeconds", "tokens", "dollars"]
+
+
+@dataclass(frozen=True)
+class GroupSpec:
+    name: str
+    weight: float = 1.0
+    currency: Currency = "requests"
+    interruptible: bool = False
+    max_queue_depth: int | None = None
+
+
+@dataclass(frozen=True)
+class Policy:
+    preempt: bool = False
+    spill: bool = False
+    queue: bool = False
+
+
+@dataclass(frozen=True)
+class Request:
+    id: int
+    group: str
+    arrived: float
+
+
+# -- decisions -------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Admit:
+    request: int
+    backend: str
+
+
+@dataclass(frozen=True)
+class Queued:
+    request: int
+    backend: str
+
+
+@dataclass(frozen=True)
+class Preempt:
+    """Take `victim`'s slot on `backend`; `request` is admitted once the victim releases."""
+
+    request: int
+    victim: int
+    backend: str
+
+
+@dataclass(frozen=True)
+class Reject:
+    request: int
+    backend: str
+    reason: Literal["saturated", "queue_full"]
+    retry_after: float
+    capacity: int
+    in_flight: int
+    waiting: int
+
+
+Decision = Admit | Queued | Preempt | Reject
+
+
+# -- state -----------------------------------------------------------------------------
+
+
+@dataclass
+class _Running:
+    request: Request
+    backend: str
+    admitted: float
+    preempted_by: int | None = None
+
+
+@dataclass
+class _Group:
+    spec: GroupSpec
+    usage: float = 0.0
+    usage_at: float = 0.0
+    in_flight: int = 0
+    waiting: int = 0
+    admitted_sum: float = 0.0  # sum of admission times of its running requests
+
+    def decayed(self, now: float) -> float:
+        if now > self.usage_at:
+            self.usage *= 0.5 ** ((now - self.usage_at) / HALF_LIFE_SECONDS)
+            self.usage_at = now
+        return self.usage
+
+
+@dataclass
+class _Backend:
+    id: str
+    capacity: int
+    running: dict[int, _Running] = field(default_factory=dict)
+    queues: dict[str, deque[Request]] = field(default_factory=dict)
+    handoffs: dict[int, Request] = field(default_factory=dict)  # victim id -> its taker
+    leases: dict[str, tuple[int, float]] = field(default_factory=dict)  # group -> slots, until
+    dwell: float | None = None
+    service: float | None = None
+
+    @property
+    def waiting(self) -> int:
+        return sum(len(q) for q in self.queues.values()) + len(self.handoffs)
+
+    def in_flight_of(self, group: str) -> int:
+        return sum(1 for r in self.running.values() if r.request.group == group)
+
+    def held_for_others(self, group: str) -> int:
+        """Reserved slots of other lanes that those lanes are not using (V2)."""
+        return sum(
+            max(0, slots - self.in_flight_of(owner))
+            for owner, (slots, _) in self.leases.items()
+            if owner != group
+        )
+
+    def room_for(self, group: str) -> bool:
+        busy = len(self.running) + len(self.handoffs)
+        return busy + self.held_for_others(group) < self.capacity
+
+
+class Scheduler:
+    def __init__(
+        self,
+        groups: Sequence[GroupSpec],
+        max_queue_depth: int,
+        default_group: str = "default",
+    ) -> None:
+        self.groups = {g.name: _Group(g) for g in groups}
+        if default_group not in self.groups:
+            self.groups[default_group] = _Group(GroupSpec(default_group))
+        self.max_queue_depth = max_queue_depth
+        self.backends: dict[str, _Backend] = {}
+        self._where: dict[int, str] = {}  # request id -> backend, queued or running
+        self._turn = 0
+
+    def add_backend(self, backend: str, capacity: int) -> None:
+        self.backends[backend] = _Backend(backend, capacity)
+
+    # -- arrivals ------------------------------------------------------------------------
+
+    def submit(
+        self, request: Request, tiers: Sequence[Sequence[str]], policy: Policy, now: float
+    ) -> Decision:
+        """Place a new request on the first tier with room, else by its policy (S2, F1)."""
+        group = self.groups[request.group]
+        self._activate(group, now)
+        for position, tier in enumerate(tiers):
+            if backend := self._least_loaded(tier, request.group):
+                return self._admit(request, backend, now)
+            if policy.preempt and (victim := self._victim(tier, group.spec)):
+                return self._preempt(request, victim, now)
+            if policy.spill and position + 1 < len(tiers):
+                continue
+            break
+        assert tiers and tiers[0], "a request needs at least one backend"
+        home = min((self.backends[b] for b in tiers[0]), key=lambda b: b.waiting)
+        if not policy.queue:
+            return self._reject(request, home, "saturated", now)
+        group_limit = group.spec.max_queue_depth
+        if home.waiting >= self.max_queue_depth or (
+            group_limit is not None and len(home.queues.get(request.group, ())) >= group_limit
+        ):
+            return self._reject(request, home, "queue_full", now)
+        home.queues.setdefault(request.group, deque()).append(request)
+        group.waiting += 1
+        self._where[request.id] = home.id
+        return Queued(request.id, home.id)
+
+    # -- departures ----------------------------------------------------------------------
+
+    def release(self, request_id: int, now: float, usage: float = 0.0) -> list[Admit]:
+        """A running request finished, failed or was cancelled: its slot frees (S7)."""
+        backend = self.backends[self._where.pop(request_id)]
+        running = backend.running.pop(request_id)
+        group = self.groups[running.request.group]
+        group.in_flight -= 1
+        group.admitted_sum -= running.admitted
+        held = now - running.admitted
+        backend.service = _average(backend.service, held)
+        charge = {"requests": 0.0, "slotSeconds": held}.get(group.spec.currency, usage)
+        group.decayed(now)
+        group.usage += charge
+        return self._fill(backend, now)
+
+    def requeue(self, request_id: int, now: float) -> list[Admit]:
+        """A preempted victim that had sent nothing goes back to the head of its queue (S4)."""
+        backend = self.backends[self._where[request_id]]
+        running = backend.running.pop(request_id)
+        group = self.groups[running.request.group]
+        group.in_flight -= 1
+        group.admitted_sum -= running.admitted
+        group.waiting += 1
+        backend.queues.setdefault(running.request.group, deque()).appendleft(running.request)
+        return self._fill(backend, now)
+
+    def withdraw(self, request_id: int, now: float) -> list[Admit]:
+        """A queued request leaves (its client went away, or maxWait passed)."""
+        where = self._where.pop(request_id, None)
+        if where is None:
+            return []
+        backend = self.backends[where]
+        for victim, taker in list(backend.handoffs.items()):
+            if taker.id == request_id:
+                del backend.handoffs[victim]
+                backend.running[victim].preempted_by = None
+                self.groups[taker.group].waiting -= 1
+                return self._fill(backend, now)
+        for group_name, queue in backend.queues.items():
+            for request in queue:
+                if request.id == request_id:
+                    queue.remove(request)
+                    self.groups[group_name].waiting -= 1
+                    return self._fill(backend, now)
+        return []
+
+    # -- leases (V1-V3) ------------------------------------------------------------------
+
+    def lease(self, group: str, backend: str, slots: int, until: float, now: float) -> None:
+        self.backends[backend].leases[group] = (slots, until)
+
+    def unlease(self, group: str, backend: str, now: float) -> list[Admit]:
+        target = self.backends[backend]
+        if target.leases.pop(group, None) is None:
+            return []
+        return self._fill(target, now)
+
+    def expire_leases(self, now: float) -> list[Admit]:
+        admits: list[Admit] = []
+        for backend in self.backends.values():
+            for group, (_, until) in list(backend.leases.items()):
+                if until <= now:
+                    del backend.leases[group]
+                    admits += self._fill(backend, now)
+        return admits
+
+    # -- views ---------------------------------------------------------------------------
+
+    def load(self, backend: str) -> tuple[int, int, int]:
+        """(capacity, in flight, waiting) of a backend."""
+        b = self.backends[backend]
+        return b.capacity, len(b.running), b.waiting
+
+    def retry_after(self, backend: str) -> float:
+        """Seconds a turned-away caller should wait: the measured average dwell (S5)."""
+        b = self.backends[backend]
+        estimate = b.dwell if b.dwell else (b.service or 1.0) * (b.waiting + 1) / b.capacity
+        return float(max(1, math.ceil(estimate)))
+
+    def usage_share(self, now: float) -> dict[str, float]:
+        total = sum(g.decayed(now) for g in self.groups.values())
+        return {n: (g.usage / total if total else 0.0) for n, g in self.groups.items()}
+
+    def preempting(self, request_id: int) -> bool:
+        where = self._where.get(request_id)
+        running = self.backends[where].running.get(request_id) if where else None
+        return running is not None and running.preempted_by is not None
+
+    # -- the machinery -------------------------------------------------------------------
+
+    def _admit(self, request: Request, backend: _Backend, now: float) -> Admit:
+        group = self.groups[request.group]
+        backend.running[request.id] = _Running(request, backend.id, now)
+        self._where[request.id] = backend.id
+        group.in_flight += 1
+        group.admitted_sum += now
+        if group.spec.currency == "requests":
+            group.decayed(now)
+            group.usage += 1.0
+        return Admit(request.id, backend.id)
+
+    def _least_loaded(self, tier: Sequence[str], group: str) -> _Backend | None:
+        """A backend of the tier this group may enter now; fewest in flight, then in turn."""
+        open_ = [
+            self.backends[b]
+            for b in tier
+            if self.backends[b].room_for(group) and not self._waiters_fit(self.backends[b])
+        ]
+        if not open_:
+            return None
+        self._turn += 1
+        fewest = min(len(b.running) for b in open_)
+        ties = [b for b in open_ if len(b.running) == fewest]
+        return ties[self._turn % len(ties)]
+
+    def _waiters_fit(self, backend: _Backend) -> bool:
+        """Someone already waiting could take the free slot: a newcomer must not jump it (S1)."""
+        return any(q and backend.room_for(g) for g, q in backend.queues.items())
+
+    def _victim(self, tier: Sequence[str], taker: GroupSpec) -> _Running | None:
+        """S4: the newest request of the lowest-weight interruptible group below the taker."""
+        candidates = [
+            r
+            for b in tier
+            for r in self.backends[b].running.values()
+            if r.preempted_by is None
+            and self.groups[r.request.group].spec.interruptible
+            and self.groups[r.request.group].spec.weight < taker.weight
+        ]
+        if not candidates:
+            return None
+        return min(
+            candidates, key=lambda r: (self.groups[r.request.group].spec.weight, -r.admitted)
+        )
+
+    def _preempt(self, request: Request, victim: _Running, now: float) -> Preempt:
+        backend = self.backends[victim.backend]
+        victim.preempted_by = request.id
+        backend.handoffs[victim.request.id] = request
+        self.groups[request.group].waiting += 1
+        self._where[request.id] = backend.id
+        return Preempt(request.id, victim.request.id, backend.id)
+
+    def _fill(self, backend: _Backend, now: float) -> list[Admit]:
+        """Hand freed slots out: first to preemption takers, then by weighted fairshare."""
+        admits = []
+        for victim, taker in list(backend.handoffs.items()):
+            if victim not in backend.running:
+                del backend.handoffs[victim]
+                admits.append(self._from_queue(taker, backend, now))
+        while True:
+            choice = self._next_group(backend, now)
+            if choice is None:
+                return admits
+            request = backend.queues[choice].popleft()
+            admits.append(self._from_queue(request, backend, now))
+
+    def _from_queue(self, request: Request, backend: _Backend, now: float) -> Admit:
+        self.groups[request.group].waiting -= 1
+        backend.dwell = _average(backend.dwell, now - request.arrived)
+        return self._admit(request, backend, now)
+
+    def _next_group(self, backend: _Backend, now: float) -> str | None:
+        best: tuple[float, float, str] | None = None
+        for name, queue in backend.queues.items():
+            if not queue or not backend.room_for(name):
+                continue
+            rank = (self._normalised(self.groups[name], now), queue[0].arrived, name)
+            if best is None or rank < best:
+                best = rank
+        return best[2] if best else None
+
+    def _normalised(self, group: _Group, now: float) -> float:
+        usage = group.decayed(now)
+        if group.spec.currency == "slotSeconds":  # what its running requests have held so far
+            usage += group.in_flight * now - group.admitted_sum
+        return usage / group.spec.weight
+
+    def _activate(self, group: _Group, now: float) -> None:
+        """A group that was idle starts at the current minimum: idle time is not banked."""
+        if group.in_flight or group.waiting:
+            return
+        active = [g for g in self.groups.values() if g is not group and (g.in_flight or g.waiting)]
+        if active:
+            floor = min(self._normalised(g, now) for g in active)
+            group.decayed(now)
+            group.usage = max(group.usage, floor * group.spec.weight)
+
+    def _reject(
+        self,
+        request: Request,
+        backend: _Backend,
+        reason: Literal["saturated", "queue_full"],
+        now: float,
+    ) -> Reject:
+        capacity, in_flight, waiting = self.load(backend.id)
+        return Reject(
+            request.id,
+            backend.id,
+            reason,
+            self.retry_after(backend.id),
+            capacity,
+            in_flight,
+            waiting,
+        )
+
+
+def _average(old: float | None, sample: float) -> float:
+    return sample if old is None else (1 - EWMA) * old + EWMA * sample
