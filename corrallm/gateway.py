@@ -26,7 +26,7 @@ from corrallm.proxy.forward import new_session
 from corrallm.residency.manager import Residency, Tenancy
 from corrallm.residency.measure import nvml_reader
 from corrallm.routing.router import Endpoint, Route, ServedModel
-from corrallm.scheduler.fifo import SlotGate
+from corrallm.scheduler.admission import Admission
 from corrallm.store.db import Store
 
 log = logging.getLogger("corrallm.lifecycle")
@@ -65,6 +65,7 @@ class Gateway:
         self._tasks: set[asyncio.Task[None]] = set()
         self._build()
         self.pauses = Pauses(self.store, self._pausables())
+        self.admission = Admission(config, self.routes)
 
     # -- built once ------------------------------------------------------------------
 
@@ -84,7 +85,7 @@ class Gateway:
                 else:
                     assert backend.proxy is not None, "validated config"
                     endpoint = RemoteEndpoint(bid, resolve_url(backend.proxy, None))
-                route = Route(bid, name, backend, endpoint, SlotGate(backend.max_concurrent))
+                route = Route(bid, name, backend, endpoint)
                 routes.append(route)
                 self.routes[bid] = route
             served = ServedModel(name, model, routes)
@@ -223,6 +224,7 @@ class Gateway:
         while True:
             await asyncio.sleep(REAPER_SECONDS)
             try:
+                self.admission.expire_leases()
                 await self.residency.reap_expired()
                 await self.pauses.expire()
             except Exception:

@@ -96,7 +96,7 @@ async def load_model(gw: Gateway, name: str) -> dict[str, Any]:
     served = served_model(gw, name)
     if gw.pauses.paused("model", served.name):
         raise ServiceError(423, f"Model '{served.name}' is paused; unpause it first.", "paused")
-    route = served.pick(None, gw.placeable)
+    route = served.tiers_for(None, gw.placeable)[0][0]
     endpoint = route.endpoint
     try:
         if isinstance(endpoint, Supervisor):
@@ -209,6 +209,7 @@ def overview(gw: Gateway) -> dict[str, Any]:
             endpoint = route.endpoint
             logs = endpoint.logs if isinstance(endpoint, Supervisor) else None
             tenancy = gw.residency.tenancies.get(endpoint.id)
+            _, in_flight, waiting = gw.admission.core.load(route.id)
             backends.append(
                 {
                     "id": route.id,
@@ -217,8 +218,8 @@ def overview(gw: Gateway) -> dict[str, Any]:
                     "quality": route.config.quality,
                     "type": route.config.type,
                     "max_concurrent": route.config.max_concurrent,
-                    "in_flight": route.gate.in_use,
-                    "waiting": route.gate.waiting,
+                    "in_flight": in_flight,
+                    "waiting": waiting,
                     "n_ctx": logs.n_ctx if logs else None,
                     "n_slots": logs.n_slots if logs else None,
                     "pid": endpoint.pid if isinstance(endpoint, Supervisor) else None,

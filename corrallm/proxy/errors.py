@@ -28,6 +28,7 @@ class ApiError(Exception):
         self.code = code
         self.param = param
         self.headers = headers or {}
+        self.extra: dict[str, Any] = {}  # more fields of the error object (a 429's hint)
 
     def body(self) -> dict[str, Any]:
         return {
@@ -36,6 +37,7 @@ class ApiError(Exception):
                 "type": self.type,
                 "param": self.param,
                 "code": self.code,
+                **self.extra,
             }
         }
 

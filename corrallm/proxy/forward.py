@@ -14,6 +14,7 @@ import orjson
 
 from corrallm.proxy.asgi import Receive, Scope, Send
 from corrallm.proxy.errors import bad_gateway
+from corrallm.scheduler.admission import StreamState
 
 # Hop-by-hop headers (RFC 9110 §7.6.1) and those aiohttp sets itself.
 _HOP_BY_HOP = frozenset(
@@ -89,6 +90,23 @@ class DisconnectWatch:
         return self.client_gone and task is not None and task.uncancel() == 0
 
 
+PREEMPTED_EVENT = (
+    b"data: "
+    + orjson.dumps(
+        {
+            "error": {
+                "message": "Preempted: a higher-priority request took this slot. "
+                "Retry to continue; the partial answer above is complete up to here.",
+                "type": "preempted",
+                "param": None,
+                "code": "preempted",
+            }
+        }
+    )
+    + b"\n\ndata: [DONE]\n\n"
+)
+
+
 async def forward(
     session: aiohttp.ClientSession,
     scope: Scope,
@@ -99,6 +117,7 @@ async def forward(
     extra_response_headers: list[tuple[bytes, bytes]],
     watch: DisconnectWatch,
     backend_id: str,
+    stream: StreamState | None = None,
 ) -> int:
     """Send the request upstream and relay the response; returns the upstream status."""
     try:
@@ -132,6 +151,14 @@ async def forward(
         watch.finishing = True
         await send({"type": "http.response.body", "body": b""})
         return response.status
+
+
+def _split_events(data: bytes) -> tuple[bytes, bytes]:
+    """Whole SSE events, and the partial one still arriving."""
+    cut = data.rfind(b"\n\n")
+    if cut < 0:
+        return b"", data
+    return data[: cut + 2], data[cut + 2 :]
 
 
 def _stream_error(last: bytes, backend_id: str, exc: BaseException) -> bytes:

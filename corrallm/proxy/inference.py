@@ -16,9 +16,10 @@ from corrallm.gateway import Gateway
 from corrallm.lifecycle.supervisor import BackendFailed, BackendPaused
 from corrallm.proxy.asgi import Receive, Scope, Send, header
 from corrallm.proxy.errors import ApiError, bad_gateway, bad_request, not_found, unavailable
-from corrallm.proxy.forward import DisconnectWatch, forward, request_headers
+from corrallm.proxy.forward import PREEMPTED_EVENT, DisconnectWatch, forward, request_headers
 from corrallm.residency.manager import NoRoom
 from corrallm.routing.router import Route, ServedModel
+from corrallm.scheduler.admission import Rejected, StreamState, Ticket, retry_after_header
 
 log = logging.getLogger("corrallm.proxy")
 
@@ -90,38 +91,107 @@ async def serve(gateway: Gateway, scope: Scope, receive: Receive, send: Send, bo
     if gateway.pauses.paused("model", served.name):
         raise model_paused(served.name)
     caller = gateway.caller(caller_key(scope))
-    route = served.pick(caller.group, gateway.placeable)
-    data = upstream_body(body, payload, route)
-    extra = [(b"x-corrallm-backend", route.id.encode())]
-    if served.degraded(route):
-        extra.append((b"x-corrallm-degraded", b"true"))
+    tiers = served.tiers_for(caller.group, gateway.placeable)
     watch = DisconnectWatch(receive)
+    admission = gateway.admission
+    ticket: Ticket | None = None
     try:
-        await route.gate.acquire()
-        try:
-            await _enter_ready(route)
+        ticket = await admission.acquire(caller.group_name, caller.group, tiers)
+        while True:
+            stream = ticket.stream = StreamState(preemptible=ticket.preemptible)
             try:
-                await forward(
-                    gateway.session,
-                    scope,
-                    send,
-                    route.endpoint.base_url + scope["path"],
-                    data,
-                    request_headers(scope["headers"], route.config.headers),
-                    extra,
-                    watch,
-                    route.id,
+                await _forward_admitted(
+                    gateway, served, ticket, stream, scope, send, payload, body, watch
                 )
-            finally:
-                route.endpoint.leave()
-        finally:
-            route.gate.release()
+                return
+            except asyncio.CancelledError:
+                if not (ticket.preempted and _uncancel()):
+                    raise
+            if stream.started:  # S4: end the stream at an event boundary, then [DONE]
+                await send({"type": "http.response.body", "body": PREEMPTED_EVENT})
+                return
+            ticket = await admission.requeue(ticket, caller.group)  # only a delay for its client
+    except Rejected as exc:
+        raise too_many_requests(exc) from None
     except asyncio.CancelledError:
         if watch.absorb():
             return  # the client left: its slot is free and its upstream request dropped
         raise
     finally:
+        if ticket is not None:
+            admission.release(ticket)
         watch.close()
+
+
+async def _forward_admitted(
+    gateway: Gateway,
+    served: ServedModel,
+    ticket: Ticket,
+    stream: StreamState,
+    scope: Scope,
+    send: Send,
+    payload: dict[str, Any],
+    body: bytes,
+    watch: DisconnectWatch,
+) -> None:
+    route = ticket.route
+    extra = [(b"x-corrallm-backend", route.id.encode())]
+    if served.degraded(route):
+        extra.append((b"x-corrallm-degraded", b"true"))
+    data = upstream_body(body, payload, route)
+    await _enter_ready(route)
+    try:
+        await forward(
+            gateway.session,
+            scope,
+            send,
+            route.endpoint.base_url + scope["path"],
+            data,
+            request_headers(scope["headers"], route.config.headers),
+            extra,
+            watch,
+            route.id,
+            stream,
+        )
+    finally:
+        route.endpoint.leave()
+
+
+def _uncancel() -> bool:
+    """Spend a cancel that was a preemption; True if no other cancel is pending."""
+    task = asyncio.current_task()
+    return task is not None and task.uncancel() == 0
+
+
+def too_many_requests(exc: Rejected) -> ApiError:
+    """S5: 429 with when to come back, in the headers and in the body."""
+    d = exc.decision
+    retry = retry_after_header(d.retry_after)
+    why = {
+        "queue_full": "its queue is full",
+        "max_wait_exceeded": "no slot came free within maxWait",
+        "saturated": "every slot is busy and this lane does not queue",
+    }[exc.reason]
+    error = ApiError(
+        429,
+        f"Backend '{d.backend}' cannot take this request now: {why} "
+        f"({d.in_flight}/{d.capacity} slots busy, {d.waiting} waiting). Retry after {retry}s.",
+        type="rate_limit_error",
+        code=exc.reason,
+        headers={
+            "retry-after": retry,
+            "x-ratelimit-capacity": str(d.capacity),
+            "x-ratelimit-inflight": str(d.in_flight),
+            "x-ratelimit-waiting": str(d.waiting),
+        },
+    )
+    error.extra = {
+        "retry_after_seconds": int(retry),
+        "capacity": d.capacity,
+        "in_flight": d.in_flight,
+        "waiting": d.waiting,
+    }
+    return error
 
 
 async def _enter_ready(route: Route) -> None:
@@ -159,7 +229,7 @@ async def upstream(
     model, _, path = rest.partition("/")
     if not model:
         raise not_found("Use /upstream/<model>/<path> to reach a backend's own API or web UI.")
-    route = lookup(gateway, model).pick(None)
+    route = lookup(gateway, model).tiers_for(None)[0][0]
     query = scope.get("query_string", b"")
     extra = [(b"x-corrallm-backend", route.id.encode())]
     watch = DisconnectWatch(receive)

@@ -1,8 +1,7 @@
-"""Served model -> the backend one request goes to: tiers in order, round-robin inside one."""
+"""Served model -> the tiers of backends a caller may use, in order (SPEC §8 F1, F2)."""
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -10,7 +9,6 @@ from typing import Protocol
 from corrallm.config.schema import Backend, Model, PriorityGroup
 from corrallm.lifecycle.state import State
 from corrallm.routing.tiers import may_serve, tiers
-from corrallm.scheduler.fifo import SlotGate
 
 
 class Endpoint(Protocol):
@@ -30,17 +28,12 @@ class Endpoint(Protocol):
 
 @dataclass
 class Route:
-    """One backend of one served model, with its slots."""
+    """One backend of one served model."""
 
     id: str
     model: str
     config: Backend
     endpoint: Endpoint
-    gate: SlotGate
-
-    @property
-    def upstream_headers(self) -> dict[str, str]:
-        return self.config.headers
 
 
 @dataclass
@@ -49,42 +42,37 @@ class ServedModel:
     config: Model
     routes: list[Route]
     _tiers: list[list[Route]] = field(init=False)
-    _turns: list[itertools.count[int]] = field(init=False)
 
     def __post_init__(self) -> None:
         self._tiers = [[self.routes[i] for i in tier] for tier in tiers(self.config.backends)]
-        self._turns = [itertools.count() for _ in self._tiers]
 
     @property
     def primary(self) -> Route:
         return self.routes[0]
 
-    def pick(
+    def tiers_for(
         self, group: PriorityGroup | None, placeable: Callable[[Route], bool] | None = None
-    ) -> Route:
-        """The first tier the group may use with an available backend; round-robin within.
+    ) -> list[list[Route]]:
+        """The tiers this group may use, in order, each with its available backends.
 
-        With `placeable`, a backend that cannot be given memory now is passed over for the
-        next one that can (R2 spill); if none can, the first choice waits for room. With
-        none available at all, the primary answers, so the caller hears why (paused, failed).
+        Paused tiers and tiers backing off after a failed start are skipped (F1); lower-
+        quality tiers only for groups accepting degrade (F2). With `placeable`, backends
+        that cannot be given memory now are left out, so the request spills past them
+        (R2) -- unless that leaves nothing, when they wait for room. With nothing
+        available at all, the primary answers, so the caller hears why.
         """
-        primary_quality = self.primary.config.quality
-        first: Route | None = None
-        for tier, turns in zip(self._tiers, self._turns, strict=True):
-            if not may_serve(tier[0].config, primary_quality, group):
-                continue
-            candidates = [r for r in tier if r.endpoint.available()]
-            if not candidates:
-                continue
-            start = next(turns)
-            ordered = [candidates[(start + i) % len(candidates)] for i in range(len(candidates))]
-            if placeable is None:
-                return ordered[0]
-            first = first or ordered[0]
-            for route in ordered:
-                if placeable(route):
-                    return route
-        return first or self.primary
+        quality = self.primary.config.quality
+        usable = [
+            [r for r in tier if r.endpoint.available()]
+            for tier in self._tiers
+            if may_serve(tier[0].config, quality, group)
+        ]
+        usable = [tier for tier in usable if tier]
+        if placeable is not None:
+            placed = [[r for r in tier if placeable(r)] for tier in usable]
+            placed = [tier for tier in placed if tier]
+            usable = placed or usable
+        return usable or [[self.primary]]
 
     def degraded(self, route: Route) -> bool:
         return route.config.quality < self.primary.config.quality

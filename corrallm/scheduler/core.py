@@ -140,6 +140,12 @@ class _Backend:
             if owner != group
         )
 
+    def beyond_lease(self, group: str) -> int:
+        """Running requests of `group` outside its own lease, not already being preempted."""
+        slots = self.leases[group][0] if group in self.leases else 0
+        mine = [r for r in self.running.values() if r.request.group == group]
+        return len(mine) - slots - sum(1 for r in mine if r.preempted_by is not None)
+
     def room_for(self, group: str) -> bool:
         busy = len(self.running) + len(self.handoffs)
         return busy + self.held_for_others(group) < self.capacity
@@ -222,10 +228,16 @@ class Scheduler:
 
     def withdraw(self, request_id: int, now: float) -> list[Admit]:
         """A queued request leaves (its client went away, or maxWait passed)."""
-        where = self._where.pop(request_id, None)
+        where = self._where.get(request_id)
         if where is None:
             return []
         backend = self.backends[where]
+        # Fix: a request admitted in the same instant it was withdrawn (maxWait firing as
+        # its Admit arrived) is running: free its slot (S7) instead of forgetting where it
+        # runs, which leaked the slot and made a later release() raise KeyError.
+        if request_id in backend.running:
+            return self.release(request_id, now)
+        del self._where[request_id]
         for victim, taker in list(backend.handoffs.items()):
             if taker.id == request_id:
                 del backend.handoffs[victim]
@@ -322,6 +334,12 @@ class Scheduler:
             if r.preempted_by is None
             and self.groups[r.request.group].spec.interruptible
             and self.groups[r.request.group].spec.weight < taker.weight
+            # Fix: a request running in its own lane's reserved slots is not a victim, or a
+            # preemption would hand a reserved slot to another lane (V2).
+            and (
+                r.request.group not in self.backends[b].leases
+                or self.backends[b].beyond_lease(r.request.group) > 0
+            )
         ]
         if not candidates:
             return None

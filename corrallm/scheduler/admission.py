@@ -1,0 +1,215 @@
+"""The async wrapper around the scheduling core: one owner applying its decisions.
+
+A request `acquire()`s a ticket (admitted to one backend), does its work, and
+`release()`s it. Queued requests wait on a future the core's `Admit`s resolve, bounded by
+`maxWait`; a client that leaves withdraws. A `Preempt` decision cancels the victim's task
+with the ticket marked preempted; the victim's handler then requeues itself (nothing sent
+yet) or ends its stream at an event boundary (S4).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import math
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from corrallm.config.schema import Config, PriorityGroup
+from corrallm.config.schema import Policy as PolicyConfig
+from corrallm.routing.router import Route
+from corrallm.scheduler.core import (
+    Admit,
+    GroupSpec,
+    Policy,
+    Preempt,
+    Queued,
+    Reject,
+    Request,
+    Scheduler,
+)
+
+BUILTIN_DEFAULT = PolicyConfig(queue=True)  # the built-in default group queues (SPEC §2)
+
+
+class Rejected(Exception):
+    """The caller cannot be served now (S5): everything a 429 needs."""
+
+    def __init__(self, decision: Reject, reason: str) -> None:
+        super().__init__(reason)
+        self.decision = decision
+        self.reason = reason
+
+
+@dataclass
+class StreamState:
+    """How far a response has got, for safe preemption (S4).
+
+    A preemptible SSE stream is relayed in whole events only, so a preemption (a cancel
+    of the request's task) always leaves its client at an event boundary. A non-streaming
+    answer, once begun, is shielded: it finishes and the preemption waits for it.
+    """
+
+    preemptible: bool = False
+    started: bool = False
+    shielded: bool = False
+
+
+@dataclass
+class Ticket:
+    id: int
+    group: str
+    route: Route
+    preemptible: bool
+    task: asyncio.Task[None] | None
+    preempted: bool = False
+    stream: StreamState | None = None
+
+    @property
+    def shielded(self) -> bool:
+        """A non-streaming answer under way cannot end cleanly: preemption waits for it."""
+        return self.stream is not None and self.stream.shielded
+
+
+@dataclass
+class Admission:
+    config: Config
+    routes: dict[str, Route]
+    clock: Callable[[], float] = time.monotonic
+    core: Scheduler = field(init=False)
+
+    def __post_init__(self) -> None:
+        groups = [
+            GroupSpec(
+                name,
+                weight=g.weight,
+                currency=g.share_currency,
+                interruptible=g.interruptible,
+                max_queue_depth=g.max_queue_depth,
+            )
+            for name, g in self.config.priority_groups.items()
+        ]
+        scheduler = self.config.scheduler
+        self.core = Scheduler(groups, scheduler.max_queue_depth, scheduler.default_group)
+        for route in self.routes.values():
+            self.core.add_backend(route.id, route.config.max_concurrent)
+        self._ids = itertools.count(1)
+        self._waiting: dict[int, asyncio.Future[str]] = {}
+        self._running: dict[int, Ticket] = {}
+
+    # -- what a request does ---------------------------------------------------------
+
+    async def acquire(
+        self, group_name: str, group: PriorityGroup | None, tiers: Sequence[Sequence[Route]]
+    ) -> Ticket:
+        request = Request(next(self._ids), group_name, self.clock())
+        policy = self._policy(group, tiers[0][0].config.type)
+        decision = self.core.submit(
+            request, [[r.id for r in tier] for tier in tiers], policy, self.clock()
+        )
+        if isinstance(decision, Reject):
+            raise Rejected(
+                decision, "saturated" if decision.reason == "saturated" else "queue_full"
+            )
+        if isinstance(decision, Preempt):
+            self._preempt(decision.victim)
+        interruptible = group is not None and group.interruptible
+        ticket = Ticket(request.id, group_name, tiers[0][0], interruptible, asyncio.current_task())
+        if isinstance(decision, Admit):
+            return self._admitted(ticket, decision.backend)
+        assert isinstance(decision, Queued | Preempt)
+        return await self._wait(ticket, group, decision.backend)
+
+    def release(self, ticket: Ticket, usage: float = 0.0) -> None:
+        if self._running.pop(ticket.id, None) is not None:
+            self._dispatch(self.core.release(ticket.id, self.clock(), usage))
+
+    async def requeue(self, ticket: Ticket, group: PriorityGroup | None) -> Ticket:
+        """A preempted request that sent nothing waits again, at the head of its queue."""
+        self._running.pop(ticket.id, None)
+        ticket.preempted = False
+        backend = ticket.route.id
+        self._dispatch(self.core.requeue(ticket.id, self.clock()))
+        return await self._wait(ticket, group, backend)
+
+    # -- leases (SPEC §7) --------------------------------------------------------------
+
+    def lease(self, group: str, route: Route, slots: int, ttl: float) -> float:
+        until = self.clock() + ttl
+        self.core.lease(group, route.id, slots, until, self.clock())
+        return until
+
+    def unlease(self, group: str, route: Route) -> None:
+        self._dispatch(self.core.unlease(group, route.id, self.clock()))
+
+    def expire_leases(self) -> None:
+        self._dispatch(self.core.expire_leases(self.clock()))
+
+    # -- the machinery -----------------------------------------------------------------
+
+    async def _wait(self, ticket: Ticket, group: PriorityGroup | None, backend: str) -> Ticket:
+        future: asyncio.Future[str] = asyncio.get_running_loop().create_future()
+        self._waiting[ticket.id] = future
+        max_wait = (group.max_wait if group else None) or self.config.scheduler.max_wait
+        try:
+            admitted = await asyncio.wait_for(asyncio.shield(future), max_wait)
+        except TimeoutError:
+            self._withdraw(ticket.id, future)
+            capacity, in_flight, waiting = self.core.load(backend)
+            raise Rejected(
+                Reject(
+                    ticket.id,
+                    backend,
+                    "saturated",
+                    self.core.retry_after(backend),
+                    capacity,
+                    in_flight,
+                    waiting,
+                ),
+                "max_wait_exceeded",
+            ) from None
+        except asyncio.CancelledError:
+            if future.done() and not future.cancelled():
+                self._admitted(ticket, future.result())
+                self.release(ticket)  # admitted in the same instant: hand the slot on
+            else:
+                self._withdraw(ticket.id, future)
+            raise
+        return self._admitted(ticket, admitted)
+
+    def _admitted(self, ticket: Ticket, backend: str) -> Ticket:
+        ticket.route = self.routes[backend]
+        self._running[ticket.id] = ticket
+        return ticket
+
+    def _withdraw(self, request_id: int, future: asyncio.Future[str]) -> None:
+        self._waiting.pop(request_id, None)
+        future.cancel()
+        self._dispatch(self.core.withdraw(request_id, self.clock()))
+
+    def _dispatch(self, admits: list[Admit]) -> None:
+        for admit in admits:
+            future = self._waiting.pop(admit.request, None)
+            if future is not None and not future.done():
+                future.set_result(admit.backend)
+
+    def _preempt(self, victim_id: int) -> None:
+        victim = self._running.get(victim_id)
+        if victim is None or victim.shielded or victim.task is None:
+            return  # it ends by itself; the hand-off admits the taker then
+        victim.preempted = True
+        victim.task.cancel()
+
+    def _policy(self, group: PriorityGroup | None, backend_type: str) -> Policy:
+        if group is None:
+            chosen = BUILTIN_DEFAULT
+        else:
+            chosen = group.on_saturated.get(backend_type) or group.on_saturated.get(
+                "default", PolicyConfig(reject=True)
+            )
+        return Policy(preempt=chosen.preempt, spill=chosen.spill, queue=chosen.queue)
+
+
+def retry_after_header(seconds: float) -> str:
+    return str(max(1, math.ceil(seconds)))
