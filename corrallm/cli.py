@@ -50,6 +50,13 @@ def serve(
         Path | None,
         typer.Option(envvar="CORRALLM_DB", help="the SQLite store (default <home>/corrallm.db)"),
     ] = None,
+    reservation_max_ttl: Annotated[
+        str,
+        typer.Option(
+            envvar="CORRALLM_RESERVATION_MAX_TTL",
+            help="default and longest ttl of a /v1/reservations lease",
+        ),
+    ] = "5m",
     health_timeout: Annotated[
         str,
         typer.Option(
@@ -58,13 +65,10 @@ def serve(
     ] = "120s",
 ) -> None:
     """Serve the gateway on ADDR (default :6502)."""
-    from corrallm.config.units import parse_duration
     from corrallm.server import ServeOptions, parse_addr, run
 
-    try:
-        timeout = parse_duration(health_timeout)
-    except ValueError as exc:
-        raise typer.BadParameter(str(exc), param_hint="--health-timeout") from exc
+    timeout = _duration(health_timeout, "--health-timeout")
+    lease_cap = _duration(reservation_max_ttl, "--reservation-max-ttl")
     addr = os.environ.get("ADDR", ":6502")
     try:
         parse_addr(addr)
@@ -75,10 +79,20 @@ def serve(
         addr=addr,
         home=home.expanduser(),
         health_timeout=timeout,
+        reservation_max_ttl=lease_cap,
         config_path=path,
         db=db.expanduser() if db else None,
     )
     run(cfg, options)
+
+
+def _duration(value: str, flag: str) -> float:
+    from corrallm.config.units import parse_duration
+
+    try:
+        return parse_duration(value)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc), param_hint=flag) from exc
 
 
 @app.command()

@@ -40,6 +40,7 @@ class Caller:
     key: str | None
     group_name: str
     group: PriorityGroup | None
+    known: bool  # the key is configured in `keys`: the caller has a lane of its own
 
 
 class Gateway:
@@ -49,8 +50,10 @@ class Gateway:
         home: Path,
         health_timeout: float = 120.0,
         db_path: Path | None = None,
+        reservation_max_ttl: float = 300.0,
     ) -> None:
         self.config = config
+        self.reservation_max_ttl = reservation_max_ttl
         self.home = home
         self.health_timeout = health_timeout
         self.started_at = int(time.time())
@@ -153,8 +156,9 @@ class Gateway:
     # -- callers ---------------------------------------------------------------------
 
     def caller(self, key: str | None) -> Caller:
-        group_name = self.config.keys.get(key, self._default) if key else self._default
-        return Caller(key, group_name, self._groups.get(group_name))
+        lane = self.config.keys.get(key) if key else None
+        group_name = lane or self._default
+        return Caller(key, group_name, self._groups.get(group_name), lane is not None)
 
     def placeable(self, route: Route) -> bool:
         """Could this route serve now without waiting for memory (R2 spill)?"""

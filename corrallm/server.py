@@ -25,6 +25,7 @@ class ServeOptions:
     health_timeout: float
     config_path: Path | None
     db: Path | None = None
+    reservation_max_ttl: float = 300.0
 
 
 def parse_addr(addr: str) -> tuple[str, int]:
@@ -40,7 +41,9 @@ def run(config: Config, options: ServeOptions) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
     host, port = parse_addr(options.addr)
     options.home.mkdir(parents=True, exist_ok=True)
-    gateway = Gateway(config, options.home, options.health_timeout, options.db)
+    gateway = Gateway(
+        config, options.home, options.health_timeout, options.db, options.reservation_max_ttl
+    )
     token = ensure_token(options.home)
     source = options.config_path or "the packaged demo config"
     logging.getLogger("corrallm").info(

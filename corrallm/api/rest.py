@@ -65,6 +65,10 @@ def build_rest(gw: Gateway) -> FastAPI:
     async def residency() -> dict[str, Any]:
         return service.residency(gw)
 
+    @app.get(f"{PREFIX}/lanes", response_model=schemas.Lanes)
+    async def lanes() -> dict[str, Any]:
+        return service.lanes(gw)
+
     @app.get(f"{PREFIX}/models/logs", response_model=schemas.Logs)
     async def model_logs(
         model: str = Query(min_length=1), lines: int = Query(100, ge=0, le=10000)

@@ -119,3 +119,18 @@ class ServerResidency(BaseModel):
 
 class Residency(BaseModel):
     servers: list[ServerResidency]
+
+
+class LaneView(BaseModel):
+    name: str
+    weight: float
+    interruptible: bool
+    share_currency: str
+    in_flight: int
+    waiting: int
+    usage_share: float = Field(description="share of decayed usage, in its currency, 0..1")
+    spend_usd_window: float = Field(description="spend in the spendLimit window (cost issue)")
+
+
+class Lanes(BaseModel):
+    lanes: list[LaneView]

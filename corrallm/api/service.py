@@ -276,3 +276,24 @@ def residency(gw: Gateway) -> dict[str, Any]:
             )
         servers.append({"name": name, "residents": residents})
     return {"servers": servers}
+
+
+def lanes(gw: Gateway) -> dict[str, Any]:
+    """Per priority group (lane): its weight, live load and share of recent usage."""
+    core = gw.admission.core
+    shares = core.usage_share(time.monotonic())
+    rows = []
+    for name, group in core.groups.items():
+        rows.append(
+            {
+                "name": name,
+                "weight": group.spec.weight,
+                "interruptible": group.spec.interruptible,
+                "share_currency": group.spec.currency,
+                "in_flight": group.in_flight,
+                "waiting": group.waiting,
+                "usage_share": round(shares.get(name, 0.0), 4),
+                "spend_usd_window": 0.0,
+            }
+        )
+    return {"lanes": rows}

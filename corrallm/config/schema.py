@@ -244,6 +244,14 @@ class PriorityGroup(Section):
     max_wait: Duration | None = None
     max_queue_depth: int | None = Field(None, ge=0)
 
+    @model_validator(mode="before")
+    @classmethod
+    def _one_policy_for_all(cls, data: object) -> object:
+        # `onSaturated: queue` is shorthand for `onSaturated: {default: queue}`.
+        if isinstance(data, dict) and isinstance(data.get("onSaturated"), str):
+            data = {**data, "onSaturated": {"default": data["onSaturated"]}}
+        return data
+
 
 class Scheduler(Section):
     max_wait: Duration = 60.0

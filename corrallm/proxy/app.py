@@ -15,7 +15,7 @@ import orjson
 from corrallm.api.auth import authorized, canonical
 from corrallm.api.rest import build_rest
 from corrallm.gateway import Gateway
-from corrallm.proxy import inference
+from corrallm.proxy import inference, reservations
 from corrallm.proxy.asgi import (
     ASGIApp,
     BodyTooLarge,
@@ -61,6 +61,8 @@ class CorrallmApp:
             if path in INFERENCE_PATHS:
                 _require(method, "POST", path)
                 await self._with_body(inference.serve, scope, receive, send)
+            elif path == "/v1/reservations":
+                await self._with_body(reservations.handle, scope, receive, send)
             elif path.startswith("/upstream/"):
                 await self._with_body(inference.upstream, scope, receive, send)
             elif path in ("/health", "/healthz"):

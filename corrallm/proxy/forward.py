@@ -132,22 +132,28 @@ async def forward(
     async with response:
         raw = [(k.lower(), v) for k, v in response.raw_headers if k.lower() not in _DROP_RESPONSE]
         raw.extend(extra_response_headers)
-        await send({"type": "http.response.start", "status": response.status, "headers": raw})
         sse = response.content_type == "text/event-stream"
+        whole_events = sse and stream is not None and stream.preemptible
+        if stream is not None:
+            stream.started = True
+            stream.shielded = not sse
+        await send({"type": "http.response.start", "status": response.status, "headers": raw})
         last = b"\n\n"
+        pending = b""
         try:
             async for chunk in response.content.iter_any():
+                if whole_events:
+                    chunk, pending = _split_events(pending + chunk)
+                    if not chunk:
+                        continue
                 last = chunk
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
         except (aiohttp.ClientError, OSError, asyncio.IncompleteReadError) as exc:
             if sse:
-                await send(
-                    {
-                        "type": "http.response.body",
-                        "body": _stream_error(last, backend_id, exc),
-                        "more_body": True,
-                    }
-                )
+                tail = _stream_error(last, backend_id, exc)
+                await send({"type": "http.response.body", "body": tail, "more_body": True})
+        if pending:
+            await send({"type": "http.response.body", "body": pending, "more_body": True})
         watch.finishing = True
         await send({"type": "http.response.body", "body": b""})
         return response.status

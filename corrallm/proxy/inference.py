@@ -91,6 +91,14 @@ async def serve(gateway: Gateway, scope: Scope, receive: Receive, send: Send, bo
     if gateway.pauses.paused("model", served.name):
         raise model_paused(served.name)
     caller = gateway.caller(caller_key(scope))
+    if not caller.known and gateway.config.scheduler.require_keys:
+        raise ApiError(
+            401,
+            "This gateway serves only configured API keys (scheduler.requireKeys); send yours "
+            "as 'Authorization: Bearer <key>' or 'X-Corrallm-Key'.",
+            type="authentication_error",
+            code="invalid_api_key",
+        )
     tiers = served.tiers_for(caller.group, gateway.placeable)
     watch = DisconnectWatch(receive)
     admission = gateway.admission

@@ -136,9 +136,20 @@ class Admission:
     # -- leases (SPEC §7) --------------------------------------------------------------
 
     def lease(self, group: str, route: Route, slots: int, ttl: float) -> float:
+        """Hold `slots` on the route's backend for `group` (V1); seconds until it expires."""
         until = self.clock() + ttl
         self.core.lease(group, route.id, slots, until, self.clock())
         return until
+
+    def leases(self) -> list[tuple[str, Route, int, float]]:
+        """Live leases: (lane, route, slots, seconds left)."""
+        now = self.clock()
+        return [
+            (group, self.routes[backend.id], slots, until - now)
+            for backend in self.core.backends.values()
+            for group, (slots, until) in backend.leases.items()
+            if until > now
+        ]
 
     def unlease(self, group: str, route: Route) -> None:
         self._dispatch(self.core.unlease(group, route.id, self.clock()))
