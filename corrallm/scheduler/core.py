@@ -15,7 +15,7 @@ The async wrapper (`admission.py`) carries the decisions out and reports back.
 from __future__ import annotations
 
 import math
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Literal
@@ -120,6 +120,8 @@ class _Backend:
     capacity: int
     running: dict[int, _Running] = field(default_factory=dict)
     queues: dict[str, deque[Request]] = field(default_factory=dict)
+    queued: dict[int, Request] = field(default_factory=dict)  # every request in `queues`
+    counts: Counter[str] = field(default_factory=Counter)  # group -> requests in `running`
     handoffs: dict[int, Request] = field(default_factory=dict)  # victim id -> its taker
     leases: dict[str, tuple[int, float]] = field(default_factory=dict)  # group -> slots, until
     dwell: float | None = None
@@ -127,10 +129,10 @@ class _Backend:
 
     @property
     def waiting(self) -> int:
-        return sum(len(q) for q in self.queues.values()) + len(self.handoffs)
+        return len(self.queued) + len(self.handoffs)
 
     def in_flight_of(self, group: str) -> int:
-        return sum(1 for r in self.running.values() if r.request.group == group)
+        return self.counts[group]
 
     def held_for_others(self, group: str) -> int:
         """Reserved slots of other lanes that those lanes are not using (V2)."""
@@ -195,6 +197,7 @@ class Scheduler:
         ):
             return self._reject(request, home, "queue_full", now)
         home.queues.setdefault(request.group, deque()).append(request)
+        home.queued[request.id] = request
         group.waiting += 1
         self._where[request.id] = home.id
         return Queued(request.id, home.id)
@@ -205,6 +208,7 @@ class Scheduler:
         """A running request finished, failed or was cancelled: its slot frees (S7)."""
         backend = self.backends[self._where.pop(request_id)]
         running = backend.running.pop(request_id)
+        backend.counts[running.request.group] -= 1
         group = self.groups[running.request.group]
         group.in_flight -= 1
         group.admitted_sum -= running.admitted
@@ -219,11 +223,13 @@ class Scheduler:
         """A preempted victim that had sent nothing goes back to the head of its queue (S4)."""
         backend = self.backends[self._where[request_id]]
         running = backend.running.pop(request_id)
+        backend.counts[running.request.group] -= 1
         group = self.groups[running.request.group]
         group.in_flight -= 1
         group.admitted_sum -= running.admitted
         group.waiting += 1
         backend.queues.setdefault(running.request.group, deque()).appendleft(running.request)
+        backend.queued[request_id] = running.request
         return self._fill(backend, now)
 
     def withdraw(self, request_id: int, now: float) -> list[Admit]:
@@ -244,18 +250,24 @@ class Scheduler:
                 backend.running[victim].preempted_by = None
                 self.groups[taker.group].waiting -= 1
                 return self._fill(backend, now)
-        for group_name, queue in backend.queues.items():
-            for request in queue:
-                if request.id == request_id:
-                    queue.remove(request)
-                    self.groups[group_name].waiting -= 1
-                    return self._fill(backend, now)
-        return []
+        request = backend.queued.pop(request_id, None)  # perf: no scan of every queue
+        if request is None:
+            return []
+        queue = backend.queues[request.group]
+        for i, queued in enumerate(queue):
+            if queued is request:
+                del queue[i]
+                break
+        self.groups[request.group].waiting -= 1
+        return self._fill(backend, now)
 
     # -- leases (V1-V3) ------------------------------------------------------------------
 
-    def lease(self, group: str, backend: str, slots: int, until: float, now: float) -> None:
-        self.backends[backend].leases[group] = (slots, until)
+    def lease(self, group: str, backend: str, slots: int, until: float, now: float) -> list[Admit]:
+        """Reserve or renew; a renewal with fewer slots hands the freed ones out at once."""
+        target = self.backends[backend]
+        target.leases[group] = (slots, until)
+        return self._fill(target, now)
 
     def unlease(self, group: str, backend: str, now: float) -> list[Admit]:
         target = self.backends[backend]
@@ -299,6 +311,7 @@ class Scheduler:
     def _admit(self, request: Request, backend: _Backend, now: float) -> Admit:
         group = self.groups[request.group]
         backend.running[request.id] = _Running(request, backend.id, now)
+        backend.counts[request.group] += 1
         self._where[request.id] = backend.id
         group.in_flight += 1
         group.admitted_sum += now
@@ -362,12 +375,14 @@ class Scheduler:
             if victim not in backend.running:
                 del backend.handoffs[victim]
                 admits.append(self._from_queue(taker, backend, now))
-        while True:
+        while len(backend.running) + len(backend.handoffs) < backend.capacity:  # perf: full
             choice = self._next_group(backend, now)
             if choice is None:
-                return admits
+                break
             request = backend.queues[choice].popleft()
+            del backend.queued[request.id]
             admits.append(self._from_queue(request, backend, now))
+        return admits
 
     def _from_queue(self, request: Request, backend: _Backend, now: float) -> Admit:
         self.groups[request.group].waiting -= 1
@@ -375,9 +390,13 @@ class Scheduler:
         return self._admit(request, backend, now)
 
     def _next_group(self, backend: _Backend, now: float) -> str | None:
+        # Perf (SPEC §13): room_for(name) of every waiting group, lease sums taken once.
+        unused = {g: max(0, n - backend.counts[g]) for g, (n, _) in backend.leases.items()}
+        busy = len(backend.running) + len(backend.handoffs)
+        free = backend.capacity - busy - sum(unused.values())
         best: tuple[float, float, str] | None = None
         for name, queue in backend.queues.items():
-            if not queue or not backend.room_for(name):
+            if not queue or free + unused.get(name, 0) <= 0:
                 continue
             rank = (self._normalised(self.groups[name], now), queue[0].arrived, name)
             if best is None or rank < best:

@@ -103,8 +103,8 @@ def test_L1_cold_request_is_forwarded_only_after_llama_servers_health_turns_200(
     assert "Loading model" in loading[0]
     # corrallm noted the backend ready (its /health said 200) before llama-server saw a task.
     log = log_of(gw, "slow#0")
-    assert "model loaded" in log and "ready in" in log and "launch_slot_" in log
-    assert log.index("model loaded") < log.index("ready in") < log.index("launch_slot_")
+    assert "ready in" in log and "launch_slot_" in log
+    assert log.index("ready in") < log.index("launch_slot_")
     gateway_log = gw.log()
     assert "backend=slow#0 transition=stopped->starting" in gateway_log
     assert "backend=slow#0 transition=starting->ready" in gateway_log
@@ -119,9 +119,7 @@ def test_chat_and_streaming_through_the_openai_sdk(
     gw = gateway_factory(config({"tiny": backend(tiny_model, "-c", "512", "-np", "2")}))
     client = openai.OpenAI(base_url=gw.v1, api_key="my-coder", max_retries=0, timeout=60)
 
-    raw = client.chat.completions.with_raw_response.create(
-        model="tiny", messages=HI, max_tokens=8  # type: ignore[arg-type]
-    )
+    raw = client.chat.completions.with_raw_response.create(model="tiny", messages=HI, max_tokens=8)
     assert raw.headers["x-corrallm-backend"] == "tiny#0"
     reply = raw.parse()
     assert isinstance(reply.choices[0].message.content, str)
@@ -131,7 +129,7 @@ def test_chat_and_streaming_through_the_openai_sdk(
 
     stream = client.chat.completions.create(
         model="tiny",
-        messages=HI,  # type: ignore[arg-type]
+        messages=HI,
         max_tokens=6,
         stream=True,
         stream_options={"include_usage": True},
@@ -148,7 +146,7 @@ def test_chat_and_streaming_through_the_openai_sdk(
     plain = list(
         client.chat.completions.create(
             model="tiny",
-            messages=HI,  # type: ignore[arg-type]
+            messages=HI,
             max_tokens=3,
             stream=True,
         )
@@ -188,7 +186,8 @@ def test_C3_activity_records_llama_servers_usage(
 
     def rows() -> list[dict[str, object]]:
         r = gw.api("GET", "activity?model=tiny&limit=10")
-        return list(r.json()["rows"]) if r.status_code == 200 else []
+        assert r.status_code == 200, r.text  # rows are written within a second, not the route
+        return list(r.json()["rows"])
 
     got = wait_for(lambda: len(rows()) >= 2 and rows(), 10, 0.1, "two activity rows")
     by_completion = {row["completion_tokens"]: row for row in got}
@@ -218,16 +217,6 @@ def test_L6_n_ctx_and_n_slots_are_parsed_from_llama_servers_real_log(
     assert (logs["n_ctx"], logs["n_slots"]) == (1024, 4)
 
 
-KV_UNIFIED = (
-    "kv_unified = 'true': n_ctx_slot is then the whole n_ctx, not n_ctx / n_slots; "
-    "logs.py multiplies it by n_slots"
-)
-VERBOSE = (
-    "at -lv 4 the per-slot line `new slot, n_ctx = 256` comes after "
-    "`llama_context: n_ctx = 512` and logs.py lets the last n_ctx win"
-)
-
-
 @pytest.mark.parametrize(
     ("flags", "n_ctx", "n_slots"),
     [
@@ -238,21 +227,18 @@ VERBOSE = (
             512,
             2,
             id="kv-unified",
-            marks=pytest.mark.xfail(reason=KV_UNIFIED, strict=True),
         ),
         pytest.param(
             ("-c", "512"),
             512,
             None,  # slots "auto": whatever llama-server's /props reports
             id="auto-slots",
-            marks=pytest.mark.xfail(reason=KV_UNIFIED + " (auto slots use a unified KV)"),
         ),
         pytest.param(
             ("-c", "512", "-np", "2", "-lv", "4"),
             512,
             2,
             id="verbose",
-            marks=pytest.mark.xfail(reason=VERBOSE, strict=True),
         ),
     ],
 )

@@ -187,10 +187,10 @@ def test_S7_client_disconnect_leaves_the_queue_and_cancels_its_upstream_request(
     wait_for(lambda: stats(gw)["cancelled"] >= 1, 10, what="upstream cancel of A")
     wait_for(lambda: stats(gw)["in_flight"] == 0, 10, what="A's upstream ended")
 
-    # The slot is free again: a new request is served at once, not after A's 4 s stream.
-    began = time.monotonic()
+    # The slot is free again at once, not after A's 4 s stream.
+    default = next(x for x in gw.api("GET", "lanes").json()["lanes"] if x["name"] == "default")
+    assert default["in_flight"] == 0
     assert httpx.post(gw.v1 + "/chat/completions", json={**CHAT, "max_tokens": 1}).is_success
-    assert time.monotonic() - began < 3.5
     # A queued client that leaves never reaches the backend.
     holder = threading.Thread(
         target=lambda: httpx.post(gw.v1 + "/chat/completions", json=CHAT, timeout=30)

@@ -31,3 +31,18 @@ def test_L6_log_ring_buffer_is_bounded_and_keeps_the_newest_lines(tmp_path):
     logs.close()
     assert logs.tail(5) == ["line 7", "line 8", "line 9"]
     assert (tmp_path / "b.log").read_text().splitlines()[0] == "line 0"
+
+
+def test_L6_unified_kv_cache_slot_context_is_the_whole_context():
+    logs = LogBuffer(None)
+    logs.append(
+        "srv    load_model: initializing, n_slots = 4, n_ctx_slot = 512, kv_unified = 'true'"
+    )
+    assert (logs.n_ctx, logs.n_slots) == (512, 4)
+
+
+def test_L6_per_slot_n_ctx_lines_do_not_override_the_whole_context():
+    logs = LogBuffer(None)
+    logs.append("llama_context: n_ctx                 = 512")
+    logs.append("slot   load_model: id  0 | task -1 | new slot, n_ctx = 256")
+    assert logs.n_ctx == 512
