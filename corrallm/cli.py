@@ -50,6 +50,10 @@ def serve(
         Path | None,
         typer.Option(envvar="CORRALLM_DB", help="the SQLite store (default <home>/corrallm.db)"),
     ] = None,
+    activity_retention: Annotated[
+        str,
+        typer.Option(envvar="CORRALLM_ACTIVITY_RETENTION", help="how long activity rows are kept"),
+    ] = "30d",
     reservation_max_ttl: Annotated[
         str,
         typer.Option(
@@ -69,6 +73,7 @@ def serve(
 
     timeout = _duration(health_timeout, "--health-timeout")
     lease_cap = _duration(reservation_max_ttl, "--reservation-max-ttl")
+    retention = _duration(activity_retention, "--activity-retention")
     addr = os.environ.get("ADDR", ":6502")
     try:
         parse_addr(addr)
@@ -80,6 +85,7 @@ def serve(
         home=home.expanduser(),
         health_timeout=timeout,
         reservation_max_ttl=lease_cap,
+        activity_retention=retention,
         config_path=path,
         db=db.expanduser() if db else None,
     )

@@ -27,12 +27,16 @@ from corrallm.residency.manager import Residency, Tenancy
 from corrallm.residency.measure import nvml_reader
 from corrallm.routing.router import Endpoint, Route, ServedModel
 from corrallm.scheduler.admission import Admission
+from corrallm.store import queries
+from corrallm.store.activity import ActivityLog
 from corrallm.store.db import Store
 
 log = logging.getLogger("corrallm.lifecycle")
 
 PROBE_TIMEOUT = aiohttp.ClientTimeout(total=2)
 REAPER_SECONDS = 1.0  # how often ttl-expired residents and expired pauses are looked at
+QUEUE_SAMPLE_SECONDS = 5.0
+PRUNE_SECONDS = 3600.0
 
 
 @dataclass(frozen=True)
@@ -51,14 +55,17 @@ class Gateway:
         health_timeout: float = 120.0,
         db_path: Path | None = None,
         reservation_max_ttl: float = 300.0,
+        activity_retention: float = 30 * 86400.0,
     ) -> None:
         self.config = config
         self.reservation_max_ttl = reservation_max_ttl
+        self.activity_retention = activity_retention
         self.home = home
         self.health_timeout = health_timeout
         self.started_at = int(time.time())
         self._session: aiohttp.ClientSession | None = None
         self.store = Store(db_path or home / "corrallm.db")
+        self.activity = ActivityLog(self.store)
         self.supervisors: dict[str, Supervisor] = {}
         self.extensions: dict[str, Supervisor] = {}
         self.routes: dict[str, Route] = {}
@@ -191,13 +198,18 @@ class Gateway:
             if served.config.persistent and not self.pauses.paused("model", served.name):
                 self._background(self._preload(served))
         self._background(self._reaper())
+        self._background(self.activity.run())
+        self._background(self._housekeeping())
 
     async def stop(self) -> None:
         """Stop every backend this gateway started; nothing is left behind (L5)."""
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*(sup.stop() for sup in self.supervisors.values()))
-        await self.store.close()
+        try:
+            await self.activity.flush()
+        finally:
+            await self.store.close()
         if self._session is not None:
             await self._session.close()
 
@@ -233,6 +245,26 @@ class Gateway:
                 await self.pauses.expire()
             except Exception:
                 log.exception("reaper pass failed; trying again")
+
+    async def _housekeeping(self) -> None:
+        """C4: queue depth sampled every few seconds; activity past retention pruned hourly."""
+        last_prune = 0.0
+        while True:
+            await asyncio.sleep(QUEUE_SAMPLE_SECONDS)
+            try:
+                now = time.time()
+                samples = []
+                for route_id in self.routes:
+                    _, in_flight, waiting = self.admission.core.load(route_id)
+                    samples.append((route_id, waiting, in_flight))
+                await queries.record_queue_depth(self.store, now, samples)
+                if now - last_prune >= PRUNE_SECONDS:
+                    last_prune = now
+                    pruned = await queries.prune(self.store, now - self.activity_retention)
+                    if pruned:
+                        log.info("pruned %d activity rows older than the retention", pruned)
+            except Exception:
+                log.exception("housekeeping pass failed; trying again")
 
     def _background(self, coro: Coroutine[Any, Any, None]) -> None:
         task = asyncio.create_task(coro)

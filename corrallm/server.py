@@ -26,6 +26,7 @@ class ServeOptions:
     config_path: Path | None
     db: Path | None = None
     reservation_max_ttl: float = 300.0
+    activity_retention: float = 30 * 86400.0
 
 
 def parse_addr(addr: str) -> tuple[str, int]:
@@ -42,7 +43,12 @@ def run(config: Config, options: ServeOptions) -> None:
     host, port = parse_addr(options.addr)
     options.home.mkdir(parents=True, exist_ok=True)
     gateway = Gateway(
-        config, options.home, options.health_timeout, options.db, options.reservation_max_ttl
+        config,
+        options.home,
+        options.health_timeout,
+        options.db,
+        options.reservation_max_ttl,
+        options.activity_retention,
     )
     token = ensure_token(options.home)
     source = options.config_path or "the packaged demo config"

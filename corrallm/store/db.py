@@ -30,6 +30,48 @@ MIGRATIONS: Sequence[Sequence[str]] = (
         )
         """,
     ),
+    # 2: activity (SPEC §9 C3/C4, §14): one row per request or load, and queue samples.
+    (
+        """
+        CREATE TABLE activity (
+            id INTEGER PRIMARY KEY,
+            t REAL NOT NULL,               -- unix seconds when the request arrived
+            kind TEXT NOT NULL,            -- 'request' | 'load'
+            key TEXT,                      -- the caller's configured key name, or NULL
+            grp TEXT NOT NULL,
+            model TEXT NOT NULL,
+            backend TEXT,
+            endpoint TEXT NOT NULL,
+            status INTEGER NOT NULL,
+            dwell_ms REAL NOT NULL DEFAULT 0,
+            duration_ms REAL NOT NULL DEFAULT 0,
+            ttfb_ms REAL,
+            prompt_tokens INTEGER NOT NULL DEFAULT 0,
+            completion_tokens INTEGER NOT NULL DEFAULT 0,
+            bytes INTEGER NOT NULL DEFAULT 0,
+            energy_wh REAL NOT NULL DEFAULT 0,
+            cost_usd REAL NOT NULL DEFAULT 0,
+            estimated INTEGER NOT NULL DEFAULT 0,
+            degraded INTEGER NOT NULL DEFAULT 0,
+            spilled INTEGER NOT NULL DEFAULT 0,
+            preempted INTEGER NOT NULL DEFAULT 0,
+            error TEXT
+        )
+        """,
+        "CREATE INDEX activity_t ON activity (t)",
+        "CREATE INDEX activity_key_t ON activity (key, t)",
+        "CREATE INDEX activity_grp_t ON activity (grp, t)",
+        "CREATE INDEX activity_model_t ON activity (model, t)",
+        """
+        CREATE TABLE queue_depth (
+            t REAL NOT NULL,
+            backend TEXT NOT NULL,
+            waiting INTEGER NOT NULL,
+            in_flight INTEGER NOT NULL
+        )
+        """,
+        "CREATE INDEX queue_depth_t ON queue_depth (t)",
+    ),
 )
 
 
@@ -56,6 +98,15 @@ class Store:
         def run() -> None:
             with self._conn:
                 self._conn.execute(sql, args)
+
+        await self._run(run)
+
+    async def execute_many(self, sql: str, rows: Sequence[Sequence[Any]]) -> None:
+        """Many rows in one transaction: how batched writes reach the file."""
+
+        def run() -> None:
+            with self._conn:
+                self._conn.executemany(sql, rows)
 
         await self._run(run)
 
