@@ -16,6 +16,7 @@ import aiohttp
 
 from corrallm.config import Config, backend_id
 from corrallm.config.schema import Model, PriorityGroup, ProcessSpec
+from corrallm.cost.ledger import Ledger, Visit
 from corrallm.lifecycle.pauses import Kind, Pausable, Pauses
 from corrallm.lifecycle.pidrecords import PidRecords
 from corrallm.lifecycle.process import adopt, stop_group
@@ -66,6 +67,7 @@ class Gateway:
         self._session: aiohttp.ClientSession | None = None
         self.store = Store(db_path or home / "corrallm.db")
         self.activity = ActivityLog(self.store)
+        self.ledger = Ledger(config, self.activity)
         self.supervisors: dict[str, Supervisor] = {}
         self.extensions: dict[str, Supervisor] = {}
         self.routes: dict[str, Route] = {}
@@ -109,7 +111,12 @@ class Gateway:
 
     def _supervisor(self, sid: str, spec: ProcessSpec) -> Supervisor:
         sup = Supervisor(
-            sid, spec, self.probe, self.home, self.health_timeout, listeners=[_log_transition]
+            sid,
+            spec,
+            self.probe,
+            self.home,
+            self.health_timeout,
+            listeners=[_log_transition, self._charge_load],
         )
         self.supervisors[sid] = sup
         return sup
@@ -159,6 +166,15 @@ class Gateway:
             for r in served.routes
             if isinstance(r.endpoint, Supervisor) and not r.config.extension
         ]
+
+    def _charge_load(self, sup: Supervisor, old: State, new: State) -> None:
+        """C1: a finished start costs its load energy, charged to whoever caused it."""
+        if old is State.STARTING and new is State.READY and sup.last_load_seconds is not None:
+            self.ledger.load(sup.spec, sup.id, sup.last_load_seconds, sup.started_for)
+
+    def settle(self, visit: Visit) -> None:
+        """A request is over: its cost, spend and activity row (no I/O: rows are batched)."""
+        self.ledger.settle(visit)
 
     # -- callers ---------------------------------------------------------------------
 

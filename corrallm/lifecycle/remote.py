@@ -17,7 +17,7 @@ class RemoteEndpoint:
     last_used: float = 0.0
     pid: None = None
 
-    async def ensure_ready(self) -> None:
+    async def ensure_ready(self, cause: object = None) -> None:
         return None
 
     def available(self) -> bool:

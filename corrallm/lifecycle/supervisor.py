@@ -25,6 +25,8 @@ from corrallm.lifecycle.state import BUSY, State, check_transition
 Probe = Callable[[str], Awaitable[int | None]]
 Listener = Callable[["Supervisor", State, State], None]
 Room = Callable[["Supervisor"], Awaitable[None]]
+# Who asked for a start, charged for its load energy: (key name, group, model).
+Cause = tuple[str | None, str, str]
 
 HEALTH_POLL_SECONDS = 0.1  # L1: readiness seen within 250 ms of the backend turning healthy
 LOG_TAIL_LINES = 15
@@ -90,6 +92,7 @@ class Supervisor:
     last_used: float = 0.0
     last_error: str | None = None
     last_load_seconds: float | None = None
+    started_for: Cause | None = None
     failures: int = 0
     retry_at: float = 0.0
     port: int | None = None
@@ -111,7 +114,7 @@ class Supervisor:
     def pid(self) -> int | None:
         return self.proc.pid if self.proc else None
 
-    async def ensure_ready(self) -> None:
+    async def ensure_ready(self, cause: Cause | None = None) -> None:
         """Return once the backend is ready, starting it if needed (L1, L2, L3)."""
         while self.state is not State.READY:
             if self.state is State.PAUSED:
@@ -120,6 +123,7 @@ class Supervisor:
                 raise BackendFailed(self._failure_message())
             if self.state in (State.STOPPED, State.FAILED):
                 # Move to STARTING before yielding, so concurrent cold callers coalesce (L2).
+                self.started_for = cause
                 self._move(State.STARTING)
                 self._start_task = asyncio.create_task(self._start(), name=f"start-{self.id}")
                 self._start_task.add_done_callback(_retrieve)

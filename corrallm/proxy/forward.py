@@ -14,6 +14,7 @@ import orjson
 
 from corrallm.proxy.asgi import Receive, Scope, Send
 from corrallm.proxy.errors import bad_gateway
+from corrallm.proxy.metering import Meter
 from corrallm.scheduler.admission import StreamState
 
 # Hop-by-hop headers (RFC 9110 §7.6.1) and those aiohttp sets itself.
@@ -118,6 +119,7 @@ async def forward(
     watch: DisconnectWatch,
     backend_id: str,
     stream: StreamState | None = None,
+    meter: Meter | None = None,
 ) -> int:
     """Send the request upstream and relay the response; returns the upstream status."""
     try:
@@ -133,7 +135,10 @@ async def forward(
         raw = [(k.lower(), v) for k, v in response.raw_headers if k.lower() not in _DROP_RESPONSE]
         raw.extend(extra_response_headers)
         sse = response.content_type == "text/event-stream"
-        whole_events = sse and stream is not None and stream.preemptible
+        # Whole events: so that a preemption cuts at a boundary, and metering sees each one.
+        whole_events = sse and (meter is not None or (stream is not None and stream.preemptible))
+        if meter is not None:
+            meter.start(response.status, sse)
         if stream is not None:
             stream.started = True
             stream.shielded = not sse
@@ -144,8 +149,10 @@ async def forward(
             async for chunk in response.content.iter_any():
                 if whole_events:
                     chunk, pending = _split_events(pending + chunk)
-                    if not chunk:
-                        continue
+                if meter is not None and chunk:
+                    chunk = meter.chunk(chunk)
+                if not chunk:
+                    continue
                 last = chunk
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
         except (aiohttp.ClientError, OSError, asyncio.IncompleteReadError) as exc:
@@ -153,7 +160,11 @@ async def forward(
                 tail = _stream_error(last, backend_id, exc)
                 await send({"type": "http.response.body", "body": tail, "more_body": True})
         if pending:
+            if meter is not None:
+                pending = meter.chunk(pending)
             await send({"type": "http.response.body", "body": pending, "more_body": True})
+        if meter is not None:
+            meter.finish()
         watch.finishing = True
         await send({"type": "http.response.body", "body": b""})
         return response.status

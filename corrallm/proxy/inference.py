@@ -8,15 +8,18 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from typing import Any
 
 import orjson
 
-from corrallm.gateway import Gateway
-from corrallm.lifecycle.supervisor import BackendFailed, BackendPaused
+from corrallm.cost.ledger import Visit
+from corrallm.gateway import Caller, Gateway
+from corrallm.lifecycle.supervisor import BackendFailed, BackendPaused, Cause
 from corrallm.proxy.asgi import Receive, Scope, Send, header
 from corrallm.proxy.errors import ApiError, bad_gateway, bad_request, not_found, unavailable
 from corrallm.proxy.forward import PREEMPTED_EVENT, DisconnectWatch, forward, request_headers
+from corrallm.proxy.metering import Meter, ask_for_usage
 from corrallm.residency.manager import NoRoom
 from corrallm.routing.router import Route, ServedModel
 from corrallm.scheduler.admission import Rejected, StreamState, Ticket, retry_after_header
@@ -66,10 +69,11 @@ def lookup(gateway: Gateway, model: str) -> ServedModel:
     return served
 
 
-def upstream_body(body: bytes, payload: dict[str, Any], route: Route) -> bytes:
-    """Rename the model for the backend and clamp its token limit; else forward as sent."""
+def upstream_body(body: bytes, payload: dict[str, Any], route: Route, force: bool = False) -> bytes:
+    """Rename the model for the backend and clamp its token limit; else forward as sent
+    (`force`: the payload was changed already, e.g. to ask a stream for its usage)."""
     config = route.config
-    changed = False
+    changed = force
     if config.model and payload.get("model") != config.model:
         payload["model"] = config.model
         changed = True
@@ -87,10 +91,36 @@ def upstream_body(body: bytes, payload: dict[str, Any], route: Route) -> bytes:
 
 async def serve(gateway: Gateway, scope: Scope, receive: Receive, send: Send, body: bytes) -> None:
     payload, model = parse_request(body)
-    served = lookup(gateway, model)
+    caller = gateway.caller(caller_key(scope))
+    visit = Visit(
+        caller.key if caller.known else None, caller.group_name, model, scope["path"], len(body)
+    )
+    try:
+        await _serve(gateway, visit, caller, scope, receive, send, payload, body)
+    except ApiError as exc:
+        visit.status, visit.error = exc.status, f"{exc.code}: {exc.message}"
+        raise
+    except asyncio.CancelledError:
+        visit.status, visit.error = 499, "the client went away"
+        raise
+    finally:
+        gateway.settle(visit)
+
+
+async def _serve(
+    gateway: Gateway,
+    visit: Visit,
+    caller: Caller,
+    scope: Scope,
+    receive: Receive,
+    send: Send,
+    payload: dict[str, Any],
+    body: bytes,
+) -> None:
+    served = lookup(gateway, visit.model)
+    visit.model = served.name
     if gateway.pauses.paused("model", served.name):
         raise model_paused(served.name)
-    caller = gateway.caller(caller_key(scope))
     if not caller.known and gateway.config.scheduler.require_keys:
         raise ApiError(
             401,
@@ -100,22 +130,38 @@ async def serve(gateway: Gateway, scope: Scope, receive: Receive, send: Send, bo
             code="invalid_api_key",
         )
     tiers = served.tiers_for(caller.group, gateway.placeable)
+    limit = payload.get("max_tokens") or payload.get("max_completion_tokens")
+    wait = gateway.ledger.reserve(
+        visit, tiers[0][0].config, limit if isinstance(limit, int) else None
+    )
+    if wait is not None:
+        raise spend_limited(caller.group_name, wait)
+    strip_usage = ask_for_usage(scope["path"], payload)
+    cause = (visit.key, caller.group_name, served.name)  # who pays for a cold start
     watch = DisconnectWatch(receive)
     admission = gateway.admission
     ticket: Ticket | None = None
+    meter: Meter | None = None
     try:
         ticket = await admission.acquire(caller.group_name, caller.group, tiers)
+        visit.admitted_mono = time.monotonic()
         while True:
             stream = ticket.stream = StreamState(preemptible=ticket.preemptible)
+            meter = Meter(strip_usage)
+            visit.backend, visit.backend_id = ticket.route.config, ticket.route.id
+            visit.degraded = served.degraded(ticket.route)
+            visit.spilled = ticket.route not in tiers[0]
             try:
-                await _forward_admitted(
-                    gateway, served, ticket, stream, scope, send, payload, body, watch
+                visit.status = await _forward_admitted(
+                    gateway, served, ticket, stream, meter, scope, send, payload, body, watch, cause
                 )
                 return
             except asyncio.CancelledError:
                 if not (ticket.preempted and _uncancel()):
                     raise
+            visit.preempted = True
             if stream.started:  # S4: end the stream at an event boundary, then [DONE]
+                visit.status = meter.status
                 await send({"type": "http.response.body", "body": PREEMPTED_EVENT})
                 return
             ticket = await admission.requeue(ticket, caller.group)  # only a delay for its client
@@ -123,11 +169,17 @@ async def serve(gateway: Gateway, scope: Scope, receive: Receive, send: Send, bo
         raise too_many_requests(exc) from None
     except asyncio.CancelledError:
         if watch.absorb():
+            visit.status, visit.error = 499, "the client went away"
             return  # the client left: its slot is free and its upstream request dropped
         raise
     finally:
+        if meter is not None:
+            visit.metered = meter.metered(len(body))
+            visit.ttfb_ms = meter.ttfb_ms()
         if ticket is not None:
-            admission.release(ticket)
+            price = gateway.ledger.price(visit)
+            tokens = visit.metered.tokens if visit.metered else 0
+            admission.release(ticket, tokens, price.cost_usd)
         watch.close()
 
 
@@ -136,20 +188,22 @@ async def _forward_admitted(
     served: ServedModel,
     ticket: Ticket,
     stream: StreamState,
+    meter: Meter,
     scope: Scope,
     send: Send,
     payload: dict[str, Any],
     body: bytes,
     watch: DisconnectWatch,
-) -> None:
+    cause: Cause,
+) -> int:
     route = ticket.route
     extra = [(b"x-corrallm-backend", route.id.encode())]
     if served.degraded(route):
         extra.append((b"x-corrallm-degraded", b"true"))
-    data = upstream_body(body, payload, route)
-    await _enter_ready(route)
+    data = upstream_body(body, payload, route, force=meter.strip_usage)
+    await _enter_ready(route, cause)
     try:
-        await forward(
+        return await forward(
             gateway.session,
             scope,
             send,
@@ -160,9 +214,25 @@ async def _forward_admitted(
             watch,
             route.id,
             stream,
+            meter,
         )
     finally:
         route.endpoint.leave()
+
+
+def spend_limited(group: str, wait: float) -> ApiError:
+    """S6: the lane's spendLimit would be passed; come back when enough spend has aged out."""
+    retry = retry_after_header(wait)
+    error = ApiError(
+        429,
+        f"Lane '{group}' has reached its spendLimit for the window; this request's estimated "
+        f"cost would pass it. Retry after {retry}s, when enough spend has left the window.",
+        type="rate_limit_error",
+        code="spend_limit",
+        headers={"retry-after": retry},
+    )
+    error.extra = {"retry_after_seconds": int(retry)}
+    return error
 
 
 def _uncancel() -> bool:
@@ -202,10 +272,10 @@ def too_many_requests(exc: Rejected) -> ApiError:
     return error
 
 
-async def _enter_ready(route: Route) -> None:
+async def _enter_ready(route: Route, cause: Cause | None = None) -> None:
     """Wait until the backend is ready and count this request in flight on it."""
     while True:
-        await _ready(route)
+        await _ready(route, cause)
         if route.endpoint.enter():
             return
 
@@ -218,9 +288,9 @@ def model_paused(model: str) -> ApiError:
     )
 
 
-async def _ready(route: Route) -> None:
+async def _ready(route: Route, cause: Cause | None = None) -> None:
     try:
-        await route.endpoint.ensure_ready()
+        await route.endpoint.ensure_ready(cause)
     except BackendPaused as exc:
         raise model_paused(route.model) from exc
     except BackendFailed as exc:

@@ -121,8 +121,11 @@ class Admission:
         assert isinstance(decision, Queued | Preempt)
         return await self._wait(ticket, group, decision.backend)
 
-    def release(self, ticket: Ticket, usage: float = 0.0) -> None:
+    def release(self, ticket: Ticket, tokens: int = 0, dollars: float = 0.0) -> None:
+        """The request is done; `tokens` and `dollars` charge lanes sharing in those."""
         if self._running.pop(ticket.id, None) is not None:
+            currency = self.core.groups[ticket.group].spec.currency
+            usage = float(tokens) if currency == "tokens" else dollars
             self._dispatch(self.core.release(ticket.id, self.clock(), usage))
 
     async def requeue(self, ticket: Ticket, group: PriorityGroup | None) -> Ticket:

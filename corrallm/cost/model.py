@@ -1,0 +1,93 @@
+"""Everything resolves to dollars (SPEC §9 C1). Pure arithmetic over the config.
+
+- Local energy: `prompt_tokens x processWattsPerToken + completion_tokens x
+  generateWattsPerToken` Wh (audio classes: bytes in x processWattsPerByte + bytes out x
+  generateWattsPerByte), times `costPerKwh` / 1000.
+- Paid: tokens x `pricing` per million x `costFactor` (a backend with `pricing`, or of a
+  `paid` class); no local energy.
+- Loading: measured load seconds x `swap.loadWatts` / 3600 Wh, at `costPerKwh`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from corrallm.config.schema import Backend, CommandCost, Config, ProcessSpec
+
+# When a request names no token limit, its completion is estimated at this many tokens
+# for the spend-limit reservation (replaced by the real count once known).
+DEFAULT_COMPLETION_ESTIMATE = 256
+BYTES_PER_TOKEN = 4  # the usual rule of thumb for estimating tokens from text
+
+
+@dataclass(frozen=True)
+class Metered:
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    bytes_in: int = 0
+    bytes_out: int = 0
+    estimated: bool = False  # the backend reported no usage: counts are estimates
+
+    @property
+    def tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
+
+@dataclass(frozen=True)
+class Price:
+    energy_wh: float = 0.0
+    cost_usd: float = 0.0
+
+
+class CostModel:
+    def __init__(self, config: Config) -> None:
+        self._classes = config.command_costs
+        self._per_kwh = config.cost_per_kwh
+
+    def cost_class(self, backend: Backend) -> CommandCost | None:
+        return self._classes.get(backend.type)
+
+    def paid(self, backend: Backend) -> bool:
+        cls = self.cost_class(backend)
+        return backend.pricing is not None or (cls is not None and cls.paid)
+
+    def audio(self, backend: Backend) -> bool:
+        cls = self.cost_class(backend)
+        return cls is not None and cls.modality == "audio"
+
+    def request(self, backend: Backend, m: Metered) -> Price:
+        if self.paid(backend):
+            pricing = backend.pricing
+            if pricing is None:
+                return Price()
+            usd = (
+                m.prompt_tokens * pricing.input_per_million
+                + m.completion_tokens * pricing.output_per_million
+            ) / 1_000_000
+            return Price(0.0, usd * backend.cost_factor)
+        cls = self.cost_class(backend)
+        if cls is None:
+            return Price()
+        if cls.modality == "audio":
+            wh = m.bytes_in * cls.process_watts_per_byte + m.bytes_out * cls.generate_watts_per_byte
+        else:
+            wh = (
+                m.prompt_tokens * cls.process_watts_per_token
+                + m.completion_tokens * cls.generate_watts_per_token
+            )
+        return self._energy(wh)
+
+    def load(self, spec: ProcessSpec, seconds: float) -> Price:
+        return self._energy(seconds * spec.swap.load_watts / 3600)
+
+    def estimate(self, backend: Backend, body_bytes: int, max_tokens: int | None) -> float:
+        """Dollars a request is likely to cost, reserved against its lane's spend limit."""
+        guess = Metered(
+            prompt_tokens=body_bytes // BYTES_PER_TOKEN,
+            completion_tokens=max_tokens or DEFAULT_COMPLETION_ESTIMATE,
+            bytes_in=body_bytes,
+        )
+        return self.request(backend, guess).cost_usd
+
+    def _energy(self, wh: float) -> Price:
+        return Price(wh, wh * self._per_kwh / 1000)
