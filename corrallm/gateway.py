@@ -23,6 +23,7 @@ from corrallm.lifecycle.process import adopt, stop_group
 from corrallm.lifecycle.remote import RemoteEndpoint
 from corrallm.lifecycle.state import State
 from corrallm.lifecycle.supervisor import LifecycleError, Supervisor, resolve_url
+from corrallm.metrics import Metrics
 from corrallm.proxy.forward import new_session
 from corrallm.residency.manager import Residency, Tenancy
 from corrallm.residency.measure import nvml_reader
@@ -75,6 +76,7 @@ class Gateway:
         self.served: list[ServedModel] = []  # each once, in config order
         self.residency = Residency(dict(config.servers), max_wait=config.scheduler.max_wait)
         self._tasks: set[asyncio.Task[None]] = set()
+        self.metrics = Metrics(self)
         self._build()
         self.pauses = Pauses(self.store, self._pausables())
         self.admission = Admission(config, self.routes)
@@ -116,7 +118,7 @@ class Gateway:
             self.probe,
             self.home,
             self.health_timeout,
-            listeners=[_log_transition, self._charge_load],
+            listeners=[_log_transition, self._charge_load, self.metrics.transition],
         )
         self.supervisors[sid] = sup
         return sup
@@ -174,7 +176,8 @@ class Gateway:
 
     def settle(self, visit: Visit) -> None:
         """A request is over: its cost, spend and activity row (no I/O: rows are batched)."""
-        self.ledger.settle(visit)
+        price = self.ledger.settle(visit)
+        self.metrics.visit(visit, price.cost_usd, price.energy_wh)
 
     # -- callers ---------------------------------------------------------------------
 

@@ -15,6 +15,7 @@ import orjson
 from corrallm.api.auth import authorized, canonical
 from corrallm.api.rest import build_rest
 from corrallm.gateway import Gateway
+from corrallm.metrics import CONTENT_TYPE
 from corrallm.proxy import inference, reservations
 from corrallm.proxy.asgi import (
     ASGIApp,
@@ -37,6 +38,7 @@ INFERENCE_PATHS = frozenset(
     {"/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/rerank", "/rerank"}
 )
 _HEALTH = orjson.dumps({"status": "ok"})
+METRICS_CONTENT_TYPE = CONTENT_TYPE.encode()
 
 
 class CorrallmApp:
@@ -67,6 +69,10 @@ class CorrallmApp:
                 await self._with_body(inference.upstream, scope, receive, send)
             elif path in ("/health", "/healthz"):
                 await send_bytes(send, 200, _HEALTH)
+            elif path == "/metrics":
+                _require(method, "GET", path)
+                body = self.gateway.metrics.render()
+                await send_bytes(send, 200, body, content_type=METRICS_CONTENT_TYPE)
             elif path == "/v1/models":
                 _require(method, "GET", path)
                 await send_bytes(send, 200, self._models_body)

@@ -56,6 +56,9 @@ class Meter:
             self.events += data.count(b"\n\n")
             if b'"usage"' in data:
                 data = self._usage_events(data)
+            if self.strip_usage and b'"usage":' in data:
+                # With include_usage every chunk carries `"usage": null`: not for this client.
+                data = data.replace(b',"usage":null', b"").replace(b', "usage": null', b"")
         elif len(self._body) < MAX_METERED_BODY:
             self._body += data
         self.bytes_out += len(data)
@@ -87,7 +90,7 @@ class Meter:
     def _usage_events(self, data: bytes) -> bytes:
         kept = []
         for event in data.split(b"\n\n"):
-            if b'"usage"' in event and event.startswith(b"data: "):
+            if (b'"usage":{' in event or b'"usage": {' in event) and event.startswith(b"data: "):
                 try:
                     obj = orjson.loads(event[6:])
                 except orjson.JSONDecodeError:

@@ -72,6 +72,88 @@ MIGRATIONS: Sequence[Sequence[str]] = (
         """,
         "CREATE INDEX queue_depth_t ON queue_depth (t)",
     ),
+    # 3: hourly usage rollups (SPEC §9 C4): dashboard ranges of days read thousands of
+    # rows, not millions. A trigger keeps them in the same transaction as each insert
+    # (activity rows are only ever inserted); queries add the raw rows of partial hours.
+    # `key` is '' for requests without one (primary-key columns cannot be NULL here).
+    (
+        """
+        CREATE TABLE usage_key_hour (
+            hour INTEGER NOT NULL,         -- unix seconds at the start of the UTC hour
+            key TEXT NOT NULL,
+            grp TEXT NOT NULL,
+            requests INTEGER NOT NULL,     -- kind = 'request' rows only
+            prompt_tokens INTEGER NOT NULL,
+            completion_tokens INTEGER NOT NULL,
+            bytes INTEGER NOT NULL,
+            energy_wh REAL NOT NULL,       -- request and load rows
+            cost_usd REAL NOT NULL,
+            dwell_ms REAL NOT NULL,        -- summed over request rows
+            PRIMARY KEY (hour, key, grp)
+        ) WITHOUT ROWID
+        """,
+        """
+        CREATE TABLE usage_model_hour (
+            hour INTEGER NOT NULL,         -- unix seconds at the start of the UTC hour
+            grp TEXT NOT NULL,
+            model TEXT NOT NULL,
+            requests INTEGER NOT NULL,     -- kind = 'request' rows only
+            prompt_tokens INTEGER NOT NULL,
+            completion_tokens INTEGER NOT NULL,
+            bytes INTEGER NOT NULL,
+            energy_wh REAL NOT NULL,       -- request and load rows
+            cost_usd REAL NOT NULL,
+            dwell_ms REAL NOT NULL,        -- summed over request rows
+            PRIMARY KEY (hour, grp, model)
+        ) WITHOUT ROWID
+        """,
+        """
+        INSERT INTO usage_key_hour
+        SELECT CAST(t AS INTEGER) / 3600 * 3600, IFNULL(key, ''), grp,
+               SUM(kind = 'request'), SUM(prompt_tokens), SUM(completion_tokens), SUM(bytes),
+               SUM(energy_wh), SUM(cost_usd),
+               SUM(CASE WHEN kind = 'request' THEN dwell_ms ELSE 0 END)
+        FROM activity GROUP BY 1, 2, 3
+        """,
+        """
+        INSERT INTO usage_model_hour
+        SELECT CAST(t AS INTEGER) / 3600 * 3600, grp, model,
+               SUM(kind = 'request'), SUM(prompt_tokens), SUM(completion_tokens), SUM(bytes),
+               SUM(energy_wh), SUM(cost_usd),
+               SUM(CASE WHEN kind = 'request' THEN dwell_ms ELSE 0 END)
+        FROM activity GROUP BY 1, 2, 3
+        """,
+        """
+        CREATE TRIGGER activity_rollup AFTER INSERT ON activity BEGIN
+            INSERT INTO usage_key_hour VALUES (
+                CAST(NEW.t AS INTEGER) / 3600 * 3600, IFNULL(NEW.key, ''), NEW.grp,
+                NEW.kind = 'request', NEW.prompt_tokens, NEW.completion_tokens, NEW.bytes,
+                NEW.energy_wh, NEW.cost_usd,
+                CASE WHEN NEW.kind = 'request' THEN NEW.dwell_ms ELSE 0 END
+            ) ON CONFLICT (hour, key, grp) DO UPDATE SET
+                requests = requests + excluded.requests,
+                prompt_tokens = prompt_tokens + excluded.prompt_tokens,
+                completion_tokens = completion_tokens + excluded.completion_tokens,
+                bytes = bytes + excluded.bytes,
+                energy_wh = energy_wh + excluded.energy_wh,
+                cost_usd = cost_usd + excluded.cost_usd,
+                dwell_ms = dwell_ms + excluded.dwell_ms;
+            INSERT INTO usage_model_hour VALUES (
+                CAST(NEW.t AS INTEGER) / 3600 * 3600, NEW.grp, NEW.model,
+                NEW.kind = 'request', NEW.prompt_tokens, NEW.completion_tokens, NEW.bytes,
+                NEW.energy_wh, NEW.cost_usd,
+                CASE WHEN NEW.kind = 'request' THEN NEW.dwell_ms ELSE 0 END
+            ) ON CONFLICT (hour, grp, model) DO UPDATE SET
+                requests = requests + excluded.requests,
+                prompt_tokens = prompt_tokens + excluded.prompt_tokens,
+                completion_tokens = completion_tokens + excluded.completion_tokens,
+                bytes = bytes + excluded.bytes,
+                energy_wh = energy_wh + excluded.energy_wh,
+                cost_usd = cost_usd + excluded.cost_usd,
+                dwell_ms = dwell_ms + excluded.dwell_ms;
+        END
+        """,
+    ),
 )
 
 

@@ -1,0 +1,146 @@
+"""`/metrics` (SPEC §9 C6) in Prometheus format.
+
+The request path only bumps plain dict counters (no locks, no label lookups); everything
+else is read from the gateway's own state when Prometheus scrapes, by a custom collector.
+"""
+
+from __future__ import annotations
+
+from collections import Counter, defaultdict
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+from corrallm.lifecycle.state import State
+
+if TYPE_CHECKING:
+    from corrallm.cost.ledger import Visit
+    from corrallm.gateway import Gateway
+    from corrallm.lifecycle.supervisor import Supervisor
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+
+class Metrics:
+    def __init__(self, gateway: Gateway) -> None:
+        self.gateway = gateway
+        self.requests: Counter[tuple[str, str, str, str]] = Counter()
+        self.tokens: Counter[tuple[str, str, str]] = Counter()
+        self.cost: defaultdict[tuple[str, str], float] = defaultdict(float)
+        self.energy: defaultdict[tuple[str, str], float] = defaultdict(float)
+        self.preemptions: Counter[str] = Counter()
+        self.rejections: Counter[tuple[str, str]] = Counter()
+        self.transitions: Counter[tuple[str, str, str]] = Counter()
+        self.loads: Counter[str] = Counter()
+        self.load_seconds: defaultdict[str, float] = defaultdict(float)
+        self._registry = CollectorRegistry(auto_describe=False)
+        self._registry.register(self)  # type: ignore[arg-type]
+
+    # -- fed by the gateway ------------------------------------------------------------
+
+    def visit(self, visit: Visit, cost_usd: float, energy_wh: float) -> None:
+        backend = visit.backend_id or ""
+        self.requests[(visit.model, backend, visit.group, str(visit.status))] += 1
+        if visit.metered is not None:
+            self.tokens[(visit.model, visit.group, "prompt")] += visit.metered.prompt_tokens
+            self.tokens[(visit.model, visit.group, "completion")] += visit.metered.completion_tokens
+        self.cost[(visit.model, visit.group)] += cost_usd
+        self.energy[(visit.model, visit.group)] += energy_wh
+        if visit.preempted:
+            self.preemptions[visit.group] += 1
+        if visit.status == 429 and visit.error:
+            self.rejections[(visit.group, visit.error.split(":", 1)[0])] += 1
+
+    def transition(self, sup: Supervisor, old: State, new: State) -> None:
+        self.transitions[(sup.id, str(old), str(new))] += 1
+        if old is State.STARTING and new is State.READY and sup.last_load_seconds is not None:
+            self.loads[sup.id] += 1
+            self.load_seconds[sup.id] += sup.last_load_seconds
+
+    def render(self) -> bytes:
+        return generate_latest(self._registry)
+
+    # -- read at scrape time ---------------------------------------------------------
+
+    def collect(self) -> Iterator[Metric]:
+        yield _counter(
+            "corrallm_requests",
+            "Requests answered, by model, backend, group and HTTP status",
+            ["model", "backend", "group", "status"],
+            self.requests,
+        )
+        yield _counter("corrallm_tokens", "Tokens metered", ["model", "group", "kind"], self.tokens)
+        yield _counter("corrallm_cost_usd", "Dollars spent", ["model", "group"], self.cost)
+        yield _counter("corrallm_energy_wh", "Energy used (Wh)", ["model", "group"], self.energy)
+        yield _counter(
+            "corrallm_preemptions",
+            "Requests preempted, by their group",
+            ["group"],
+            self.preemptions,
+        )
+        yield _counter(
+            "corrallm_rejections", "429s by group and reason", ["group", "reason"], self.rejections
+        )
+        yield _counter(
+            "corrallm_lifecycle_transitions",
+            "Backend lifecycle transitions",
+            ["backend", "from_state", "to_state"],
+            self.transitions,
+        )
+        yield _counter(
+            "corrallm_backend_loads", "Completed backend starts", ["backend"], self.loads
+        )
+        yield _counter(
+            "corrallm_backend_load_seconds",
+            "Seconds spent starting backends",
+            ["backend"],
+            self.load_seconds,
+        )
+        core = self.gateway.admission.core
+        in_flight = GaugeMetricFamily(
+            "corrallm_in_flight", "Requests in flight per backend", labels=["backend"]
+        )
+        waiting = GaugeMetricFamily(
+            "corrallm_queue_depth", "Requests waiting per backend", labels=["backend"]
+        )
+        capacity = GaugeMetricFamily(
+            "corrallm_slots", "maxConcurrent per backend", labels=["backend"]
+        )
+        for backend in self.gateway.routes:
+            slots, running, queued = core.load(backend)
+            in_flight.add_metric([backend], running)
+            waiting.add_metric([backend], queued)
+            capacity.add_metric([backend], slots)
+        yield from (in_flight, waiting, capacity)
+        state = GaugeMetricFamily(
+            "corrallm_backend_state",
+            "1 for the state each backend is in",
+            labels=["backend", "state"],
+        )
+        for sup in self.gateway.supervisors.values():
+            for s in State:
+                state.add_metric([sup.id, str(s)], 1.0 if sup.state is s else 0.0)
+        yield state
+        pools = GaugeMetricFamily(
+            "corrallm_pool_bytes",
+            "Memory pools: capacity, reserve and declared use of residents",
+            labels=["server", "pool", "kind"],
+        )
+        for name, server in self.gateway.config.servers.items():
+            used = self.gateway.residency.used(name)
+            for pool, size in server.pools.items():
+                pools.add_metric([name, pool, "capacity"], size)
+                pools.add_metric([name, pool, "reserve"], server.reserve.get(pool, 0))
+                pools.add_metric([name, pool, "used"], used.get(pool, 0))
+        yield pools
+
+
+def _counter(
+    name: str, doc: str, labels: list[str], values: Counter[tuple[str, ...]] | dict
+) -> CounterMetricFamily:
+    family = CounterMetricFamily(name, doc, labels=labels)
+    for key, value in values.items():
+        family.add_metric(list(key) if isinstance(key, tuple) else [key], value)
+    return family
