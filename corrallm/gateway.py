@@ -17,6 +17,7 @@ import aiohttp
 from corrallm.config import Config, backend_id
 from corrallm.config.schema import Model, PriorityGroup, ProcessSpec
 from corrallm.cost.ledger import Ledger, Visit
+from corrallm.events import EventBus
 from corrallm.lifecycle.pauses import Kind, Pausable, Pauses
 from corrallm.lifecycle.pidrecords import PidRecords
 from corrallm.lifecycle.process import adopt, stop_group
@@ -77,6 +78,7 @@ class Gateway:
         self.residency = Residency(dict(config.servers), max_wait=config.scheduler.max_wait)
         self._tasks: set[asyncio.Task[None]] = set()
         self.metrics = Metrics(self)
+        self.events = EventBus()
         self._build()
         self.pauses = Pauses(self.store, self._pausables())
         self.admission = Admission(config, self.routes)
@@ -118,7 +120,15 @@ class Gateway:
             self.probe,
             self.home,
             self.health_timeout,
-            listeners=[_log_transition, self._charge_load, self.metrics.transition],
+            listeners=[
+                _log_transition,
+                self._charge_load,
+                self.metrics.transition,
+                self._publish_transition,
+            ],
+        )
+        sup.logs.listeners.append(
+            lambda line: self.events.publish("log", {"backend": sid, "line": line})
         )
         self.supervisors[sid] = sup
         return sup
@@ -178,6 +188,46 @@ class Gateway:
         """A request is over: its cost, spend and activity row (no I/O: rows are batched)."""
         price = self.ledger.settle(visit)
         self.metrics.visit(visit, price.cost_usd, price.energy_wh)
+        if self.events.subscribers:
+            m = visit.metered
+            self.events.publish(
+                "usage",
+                {
+                    "key": visit.key,
+                    "group": visit.group,
+                    "model": visit.model,
+                    "backend": visit.backend_id,
+                    "status": visit.status,
+                    "prompt_tokens": m.prompt_tokens if m else 0,
+                    "completion_tokens": m.completion_tokens if m else 0,
+                    "cost_usd": price.cost_usd,
+                    "energy_wh": price.energy_wh,
+                },
+            )
+
+    def _publish_transition(self, sup: Supervisor, old: State, new: State) -> None:
+        models = sorted({r.model for r in self.routes.values() if r.endpoint is sup})
+        self.events.publish(
+            "lifecycle",
+            {"backend": sup.id, "models": models, "old": str(old), "new": str(new), "pid": sup.pid},
+        )
+
+    def publish_load(self) -> None:
+        """Admission load of every backend, for live views (sent each reaper pass)."""
+        if not self.events.subscribers:
+            return
+        backends = []
+        for route_id in self.routes:
+            capacity, in_flight, waiting = self.admission.core.load(route_id)
+            backends.append(
+                {
+                    "backend": route_id,
+                    "capacity": capacity,
+                    "in_flight": in_flight,
+                    "waiting": waiting,
+                }
+            )
+        self.events.publish("admission", {"backends": backends})
 
     # -- callers ---------------------------------------------------------------------
 
@@ -260,6 +310,7 @@ class Gateway:
             await asyncio.sleep(REAPER_SECONDS)
             try:
                 self.admission.expire_leases()
+                self.publish_load()
                 await self.residency.reap_expired()
                 await self.pauses.expire()
             except Exception:
@@ -277,6 +328,14 @@ class Gateway:
                     _, in_flight, waiting = self.admission.core.load(route_id)
                     samples.append((route_id, waiting, in_flight))
                 await queries.record_queue_depth(self.store, now, samples)
+                self.events.publish(
+                    "queue_depth",
+                    {
+                        "points": [
+                            {"backend": b, "waiting": w, "in_flight": f} for b, w, f in samples
+                        ]
+                    },
+                )
                 if now - last_prune >= PRUNE_SECONDS:
                     last_prune = now
                     pruned = await queries.prune(self.store, now - self.activity_retention)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import re
 import time
 from collections import deque
+from collections.abc import Callable
 from pathlib import Path
 from typing import TextIO
 
@@ -32,6 +33,7 @@ class LogBuffer:
         self._unified = False
         self._path = path
         self._file: TextIO | None = None
+        self.listeners: list[Callable[[str], None]] = []  # e.g. the live event stream
 
     def open(self) -> None:
         if self._path is not None and self._file is None:
@@ -53,6 +55,8 @@ class LogBuffer:
         if self._file is not None:
             self._file.write(line + "\n")
         self._parse(line)
+        for listener in self.listeners:
+            listener(line)
 
     def tail(self, n: int = 20) -> list[str]:
         if n <= 0:

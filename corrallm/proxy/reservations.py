@@ -45,7 +45,9 @@ async def handle(gateway: Gateway, scope: Scope, receive: Receive, send: Send, b
         ):
             raise not_found(f"Lane '{caller.group_name}' holds no reservation on '{model}'.")
         gateway.admission.unlease(caller.group_name, route)
-        await _json(send, 200, {"model": route.model, "lane": caller.group_name, "released": True})
+        released = {"model": route.model, "lane": caller.group_name, "released": True}
+        gateway.events.publish("reservation", released)
+        await _json(send, 200, released)
     else:
         raise ApiError(
             405,
@@ -80,13 +82,15 @@ def _reserve(gateway: Gateway, caller: Caller, body: bytes) -> dict[str, Any]:
     if ttl <= 0:
         raise bad_request("'ttl' must be more than 0 seconds.", param="ttl")
     gateway.admission.lease(caller.group_name, route, slots, ttl)
-    return {
+    lease = {
         "model": served.name,
         "lane": caller.group_name,
         "slots": slots,
         "expires_at": rfc3339(time.time() + ttl),
         "renew_within_seconds": max(1, math.floor(ttl / 2)),
     }
+    gateway.events.publish("reservation", lease)
+    return lease
 
 
 def _live(gateway: Gateway) -> list[dict[str, Any]]:

@@ -187,7 +187,8 @@ class Store:
         """Many rows in one transaction: how batched writes reach the file."""
 
         def run() -> None:
-            with self._conn:
+            with self._conn:  # commits, or rolls back on error
+                self._conn.execute("BEGIN")  # autocommit mode: else one transaction a row
                 self._conn.executemany(sql, rows)
 
         await self._run(run)

@@ -106,6 +106,18 @@ async def usage_rollup(store: Store, since: float, until: float) -> list[dict[st
     return [{"group": r["grp"], "model": r["model"], **_sums(r)} for r in rows]
 
 
+MAX_BUCKETS = 10_000
+
+
+def default_bucket(span: float) -> int:
+    """A bucket giving a readable number of points: 1 min up to 2 h, 5 min up to a day,
+    an hour up to a week, else a day (or whole days, to stay within MAX_BUCKETS)."""
+    for limit, bucket in ((2 * HOUR, 60), (24 * HOUR, 300), (7 * 24 * HOUR, HOUR)):
+        if span <= limit:
+            return bucket
+    return max(1, math.ceil(span / MAX_BUCKETS / 86400)) * 86400
+
+
 def bucket_starts(since: float, until: float, bucket: int) -> range:
     """The starts of the aligned buckets that meet `[since, until)`."""
     return range(math.floor(since) // bucket * bucket, math.ceil(until), bucket)
