@@ -120,6 +120,14 @@ def config_schema() -> None:
     typer.echo(json.dumps(json_schema(), indent=2))
 
 
+@app.command("dump-graphql")
+def dump_graphql() -> None:
+    """Print the GraphQL schema (SDL) of /api/graphql."""
+    from corrallm.api.graphql import sdl
+
+    typer.echo(sdl())
+
+
 @app.command()
 def version() -> None:
     """Print the version."""

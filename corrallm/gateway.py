@@ -326,7 +326,8 @@ class Gateway:
                 samples = []
                 for route_id in self.routes:
                     _, in_flight, waiting = self.admission.core.load(route_id)
-                    samples.append((route_id, waiting, in_flight))
+                    if waiting or in_flight:  # an idle backend's absence reads as zero
+                        samples.append((route_id, waiting, in_flight))
                 await queries.record_queue_depth(self.store, now, samples)
                 self.events.publish(
                     "queue_depth",

@@ -6,7 +6,7 @@ Admin auth is checked before any request reaches this app (see `api/auth.py`).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any
 
 from fastapi import FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
@@ -14,17 +14,31 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
 from corrallm import __version__
-from corrallm.api import schemas, service
+from corrallm.api import schemas, service, usage
 from corrallm.api.service import ServiceError
 from corrallm.gateway import Gateway
 
 PREFIX = "/api/v1"
 
+_TIME = "RFC 3339 time, unix seconds, or a duration ago (24h, 7d)"
+Since = Annotated[
+    str | None, Query(description=f"{_TIME}; default 24h before until", examples=["7d"])
+]
+Until = Annotated[str | None, Query(description=f"{_TIME}; default now (exclusive)")]
+Bucket = Annotated[
+    str | None,
+    Query(description="bucket length (60s, 5m, 1h, 1d); default from the range", examples=["1h"]),
+]
+
 
 def error(
-    status: int, message: str, code: str, type: str = "invalid_request_error"
+    status: int,
+    message: str,
+    code: str,
+    type: str = "invalid_request_error",
+    param: str | None = None,
 ) -> JSONResponse:
-    body = {"error": {"message": message, "type": type, "param": None, "code": code}}
+    body = {"error": {"message": message, "type": type, "param": param, "code": code}}
     return JSONResponse(body, status_code=status)
 
 
@@ -40,7 +54,7 @@ def build_rest(gw: Gateway) -> FastAPI:
     @app.exception_handler(ServiceError)
     async def service_error(_: Request, exc: ServiceError) -> JSONResponse:
         kind = "api_error" if exc.status >= 500 else "invalid_request_error"
-        return error(exc.status, exc.message, exc.code, kind)
+        return error(exc.status, exc.message, exc.code, kind, exc.param)
 
     @app.exception_handler(RequestValidationError)
     async def invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
@@ -108,5 +122,48 @@ def build_rest(gw: Gateway) -> FastAPI:
     @app.post(f"{PREFIX}/extensions/unpause", response_model=schemas.PauseResult)
     async def unpause_extension(body: schemas.ExtensionRef) -> dict[str, Any]:
         return await service.unpause(gw, "extension", body.extension)
+
+    @app.get(f"{PREFIX}/usage/by-key", response_model=schemas.UsageByKey)
+    async def usage_by_key(since: Since = None, until: Until = None) -> dict[str, Any]:
+        """Usage per (key, group) over `[since, until)`."""
+        return await usage.usage_by_key(gw, since, until)
+
+    @app.get(f"{PREFIX}/usage/rollup", response_model=schemas.UsageRollup)
+    async def usage_rollup(since: Since = None, until: Until = None) -> dict[str, Any]:
+        """Usage per (group, model) over `[since, until)`."""
+        return await usage.usage_rollup(gw, since, until)
+
+    @app.get(f"{PREFIX}/usage/series", response_model=schemas.UsageSeries)
+    async def usage_series(
+        since: Since = None, until: Until = None, bucket: Bucket = None
+    ) -> dict[str, Any]:
+        """Usage per time bucket (aligned to the epoch; empty buckets have zero sums)."""
+        return await usage.usage_series(gw, since, until, bucket)
+
+    @app.get(f"{PREFIX}/usage/series-by-group", response_model=schemas.UsageGroupSeries)
+    async def usage_series_by_group(
+        since: Since = None, until: Until = None, bucket: Bucket = None
+    ) -> dict[str, Any]:
+        """Usage per time bucket and group (every group seen in the range, every bucket)."""
+        return await usage.usage_series(gw, since, until, bucket, by_group=True)
+
+    @app.get(f"{PREFIX}/usage/queue-depth", response_model=schemas.QueueDepth)
+    async def queue_depth(
+        since: Since = None, until: Until = None, bucket: Bucket = None
+    ) -> dict[str, Any]:
+        """Per bucket and backend, the peak of the queue samples (taken every few seconds)."""
+        return await usage.queue_depth(gw, since, until, bucket)
+
+    @app.get(f"{PREFIX}/activity", response_model=schemas.ActivityList)
+    async def activity(
+        limit: int = Query(100, ge=1, le=usage.MAX_ACTIVITY),
+        key: str | None = None,
+        model: str | None = None,
+        group: str | None = None,
+        since: Since = None,
+        until: Until = None,
+    ) -> dict[str, Any]:
+        """The newest rows first: one per request and per backend load."""
+        return await usage.activity(gw, limit, key, model, group, since, until)
 
     return app

@@ -134,3 +134,98 @@ class LaneView(BaseModel):
 
 class Lanes(BaseModel):
     lanes: list[LaneView]
+
+
+# -- usage and activity (SPEC §14) ------------------------------------------------------
+
+
+class UsageSums(BaseModel):
+    requests: int = Field(description="requests made (load rows not counted)")
+    prompt_tokens: int
+    completion_tokens: int
+    bytes: int = Field(description="audio bytes metered instead of tokens")
+    energy_wh: float = Field(description="requests' and backend loads' energy, Wh")
+    cost_usd: float = Field(description="requests' and backend loads' cost, USD")
+    dwell_ms_avg: float | None = Field(description="mean queue wait; null without requests")
+
+
+class Ranged(BaseModel):
+    since: str = Field(description="start of the range (inclusive), RFC 3339")
+    until: str = Field(description="end of the range (exclusive), RFC 3339")
+
+
+class KeyUsage(UsageSums):
+    key: str | None = Field(description="the configured key name; null: no key")
+    group: str
+
+
+class UsageByKey(Ranged):
+    rows: list[KeyUsage]
+
+
+class ModelUsage(UsageSums):
+    group: str
+    model: str
+
+
+class UsageRollup(Ranged):
+    rows: list[ModelUsage]
+
+
+class SeriesPoint(UsageSums):
+    t: str = Field(description="start of the bucket, RFC 3339")
+
+
+class GroupSeriesPoint(SeriesPoint):
+    group: str
+
+
+class UsageSeries(Ranged):
+    bucket_seconds: int
+    points: list[SeriesPoint]
+
+
+class UsageGroupSeries(Ranged):
+    bucket_seconds: int
+    points: list[GroupSeriesPoint]
+
+
+class QueuePoint(BaseModel):
+    t: str = Field(description="start of the bucket, RFC 3339")
+    backend: str
+    waiting: int = Field(description="most requests waiting in one sample of the bucket")
+    in_flight: int = Field(description="most requests in flight in one sample of the bucket")
+
+
+class QueueDepth(Ranged):
+    bucket_seconds: int
+    points: list[QueuePoint]
+
+
+class ActivityRow(BaseModel):
+    id: int
+    t: str = Field(description="when the request arrived (or the load began), RFC 3339")
+    kind: str = Field(description="request | load")
+    key: str | None
+    group: str
+    model: str
+    backend: str | None
+    endpoint: str
+    status: int
+    dwell_ms: float
+    duration_ms: float
+    ttfb_ms: float | None
+    prompt_tokens: int
+    completion_tokens: int
+    bytes: int
+    energy_wh: float
+    cost_usd: float
+    estimated: bool = Field(description="token counts estimated: the backend reported none")
+    degraded: bool
+    spilled: bool
+    preempted: bool
+    error: str | None
+
+
+class ActivityList(Ranged):
+    rows: list[ActivityRow]

@@ -1,6 +1,7 @@
 """The one service layer behind every management surface (REST now; GraphQL, the dashboard
-and the CLI later): operator actions and the views of SPEC §14. Plain functions over the
-gateway; surfaces translate `ServiceError` into their own error shapes."""
+and the CLI later): operator actions and the views of SPEC §14, usage and activity included.
+Plain functions over the gateway; surfaces translate `ServiceError` into their own error
+shapes."""
 
 from __future__ import annotations
 
@@ -23,9 +24,9 @@ from corrallm.routing.router import ServedModel
 
 
 class ServiceError(Exception):
-    def __init__(self, status: int, message: str, code: str) -> None:
+    def __init__(self, status: int, message: str, code: str, param: str | None = None) -> None:
         super().__init__(message)
-        self.status, self.message, self.code = status, message, code
+        self.status, self.message, self.code, self.param = status, message, code, param
 
 
 # -- lookups -------------------------------------------------------------------------

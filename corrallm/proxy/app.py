@@ -13,6 +13,7 @@ from collections.abc import Awaitable, Callable
 import orjson
 
 from corrallm.api.auth import authorized, canonical
+from corrallm.api.graphql import build_graphql
 from corrallm.api.rest import build_rest
 from corrallm.gateway import Gateway
 from corrallm.metrics import CONTENT_TYPE
@@ -48,6 +49,7 @@ class CorrallmApp:
         self._ids = itertools.count(1)
         self._models_body = self._models_list()
         self._management: ASGIApp = build_rest(gateway)
+        self._graphql: ASGIApp = build_graphql(gateway)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         kind = scope["type"]
@@ -111,7 +113,10 @@ class CorrallmApp:
                 code="unauthorized",
                 headers={"www-authenticate": "Bearer"},
             )
-        await self._management(scope, receive, send)
+        if scope["path"] == "/api/graphql":
+            await self._graphql(scope, receive, send)
+        else:
+            await self._management(scope, receive, send)
 
     async def _with_body(
         self, handler: Handler, scope: Scope, receive: Receive, send: Send

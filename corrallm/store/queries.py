@@ -3,9 +3,11 @@
 Every range is half-open, `since <= t < until`, in unix seconds. Usage sums read whole
 UTC hours from the hourly rollups (`usage_key_hour`, `usage_model_hour`, kept by the
 trigger of migration 3) and the raw `activity` rows of the partial hours at either end,
-so a 30-day range reads thousands of rows, not millions. Series buckets are aligned to
-multiples of their length since the epoch (a day bucket starts at 00:00 UTC); a bucket
-that is not a whole number of hours is summed from the raw rows.
+so a 30-day range reads a row per hour and combination, not one per request (every raw
+read goes through the `activity_t` index, named so that no plan can pick another).
+Series buckets are aligned to multiples of their length since the epoch (a day bucket
+starts at 00:00 UTC); a bucket that is not a whole number of hours is summed from the
+raw rows.
 
 Results are plain dicts with the API's field names; times stay unix seconds here (the
 service layer formats them).
