@@ -102,6 +102,7 @@ def _sync(model: type[BaseModel], fn: Any, *args: Any) -> Any:
 Overview = _gql(schemas.Overview)
 Residency = _gql(schemas.Residency)
 Lanes = _gql(schemas.Lanes)
+Reservations = _gql(schemas.Reservations)
 Logs = _gql(schemas.Logs)
 ActionResult = _gql(schemas.ActionResult)
 PauseResult = _gql(schemas.PauseResult)
@@ -126,6 +127,10 @@ class Query:
     @strawberry.field(description="GET /api/v1/lanes")
     def lanes(self, info: Info) -> Lanes:  # type: ignore[valid-type]
         return _sync(schemas.Lanes, service.lanes, _gw(info))
+
+    @strawberry.field(description="GET /api/v1/reservations")
+    def reservations(self, info: Info) -> Reservations:  # type: ignore[valid-type]
+        return _sync(schemas.Reservations, service.reservations, _gw(info))
 
     @strawberry.field(description="GET /api/v1/models/logs")
     def model_logs(self, info: Info, model: str, lines: int = 100) -> Logs:  # type: ignore[valid-type]

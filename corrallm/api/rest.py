@@ -10,7 +10,7 @@ from typing import Annotated, Any
 
 from fastapi import FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException
 
 from corrallm import __version__
@@ -49,6 +49,7 @@ def build_rest(gw: Gateway) -> FastAPI:
         openapi_url=f"{PREFIX}/openapi.json",
         docs_url=f"{PREFIX}/docs",
         redoc_url=None,
+        responses=schemas.ERRORS,
     )
 
     @app.exception_handler(ServiceError)
@@ -78,6 +79,30 @@ def build_rest(gw: Gateway) -> FastAPI:
     @app.get(f"{PREFIX}/residency", response_model=schemas.Residency)
     async def residency() -> dict[str, Any]:
         return service.residency(gw)
+
+    @app.get(f"{PREFIX}/reservations", response_model=schemas.Reservations)
+    async def reservations() -> dict[str, Any]:
+        return service.reservations(gw)
+
+    @app.get(
+        f"{PREFIX}/events",
+        response_class=StreamingResponse,
+        responses={200: {"content": {"text/event-stream": {}}, "description": "SSE stream"}},
+    )
+    async def events(
+        kinds: str | None = Query(
+            None,
+            description="comma-separated kinds to receive (lifecycle, admission, queue_depth, "
+            "usage, log, reservation); all when absent",
+        ),
+    ) -> StreamingResponse:
+        """Live events as Server-Sent Events, with a heartbeat comment every 15 s."""
+        wanted = frozenset(k.strip() for k in kinds.split(",") if k.strip()) if kinds else None
+        return StreamingResponse(
+            gw.events.stream(wanted),
+            media_type="text/event-stream",
+            headers={"cache-control": "no-cache", "x-accel-buffering": "no"},
+        )
 
     @app.get(f"{PREFIX}/lanes", response_model=schemas.Lanes)
     async def lanes() -> dict[str, Any]:

@@ -229,3 +229,43 @@ class ActivityRow(BaseModel):
 
 class ActivityList(Ranged):
     rows: list[ActivityRow]
+
+
+class ReservationView(BaseModel):
+    model: str
+    backend: str
+    lane: str
+    slots: int
+    expires_at: str
+
+
+class Reservations(BaseModel):
+    reservations: list[ReservationView]
+
+
+class ErrorDetail(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    message: str = Field(description="what went wrong and what to do about it")
+    type: str
+    param: str | None
+    code: str | None
+
+
+class ErrorBody(BaseModel):
+    """Every error, OpenAI-shaped."""
+
+    error: ErrorDetail
+
+
+ERRORS: dict[int | str, dict[str, object]] = {
+    status: {"model": ErrorBody, "description": why}
+    for status, why in {
+        400: "invalid input; the message names every problem",
+        401: "missing or wrong admin token",
+        404: "no such model, extension or endpoint",
+        409: "another lifecycle action is under way on that process",
+        423: "paused: unpause it first",
+        502: "the backend failed to start or did not answer; the message carries its log",
+        503: "no room could be made in the memory pools",
+    }.items()
+}

@@ -298,3 +298,19 @@ def lanes(gw: Gateway) -> dict[str, Any]:
             }
         )
     return {"lanes": rows}
+
+
+def reservations(gw: Gateway) -> dict[str, Any]:
+    """Live leases (SPEC §7): who holds how many slots of which backend, until when."""
+    return {
+        "reservations": [
+            {
+                "model": route.model,
+                "backend": route.id,
+                "lane": lane,
+                "slots": slots,
+                "expires_at": rfc3339(time.time() + left),
+            }
+            for lane, route, slots, left in gw.admission.leases()
+        ]
+    }

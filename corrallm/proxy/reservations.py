@@ -10,6 +10,7 @@ from urllib.parse import parse_qs
 
 import orjson
 
+from corrallm.api import service
 from corrallm.api.service import rfc3339
 from corrallm.config.units import parse_duration
 from corrallm.gateway import Caller, Gateway
@@ -22,7 +23,8 @@ async def handle(gateway: Gateway, scope: Scope, receive: Receive, send: Send, b
     caller = gateway.caller(caller_key(scope))
     method = scope["method"]
     if method == "GET":
-        await _json(send, 200, {"object": "list", "data": _live(gateway)})
+        live = service.reservations(gateway)["reservations"]
+        await _json(send, 200, {"object": "list", "data": live})
         return
     if not caller.known:
         raise ApiError(
@@ -91,19 +93,6 @@ def _reserve(gateway: Gateway, caller: Caller, body: bytes) -> dict[str, Any]:
     }
     gateway.events.publish("reservation", lease)
     return lease
-
-
-def _live(gateway: Gateway) -> list[dict[str, Any]]:
-    return [
-        {
-            "model": route.model,
-            "backend": route.id,
-            "lane": lane,
-            "slots": slots,
-            "expires_at": rfc3339(time.time() + left),
-        }
-        for lane, route, slots, left in gateway.admission.leases()
-    ]
 
 
 async def _json(send: Send, status: int, body: Any) -> None:
