@@ -260,6 +260,7 @@ class Gateway:
     async def start(self) -> None:
         self._session = new_session()
         await self.store.open()
+        await self.ledger.restore(self.store)
         self.residency.reader = await asyncio.to_thread(nvml_reader)
         await self._recover_records()
         await self.pauses.restore()

@@ -129,7 +129,7 @@ class LaneView(BaseModel):
     in_flight: int
     waiting: int
     usage_share: float = Field(description="share of decayed usage, in its currency, 0..1")
-    spend_usd_window: float = Field(description="spend in the spendLimit window (cost issue)")
+    spend_usd_window: float = Field(description="spend inside its spendLimit window; 0 without")
 
 
 class Lanes(BaseModel):

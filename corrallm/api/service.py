@@ -294,7 +294,7 @@ def lanes(gw: Gateway) -> dict[str, Any]:
                 "in_flight": group.in_flight,
                 "waiting": group.waiting,
                 "usage_share": round(shares.get(name, 0.0), 4),
-                "spend_usd_window": 0.0,
+                "spend_usd_window": round(gw.ledger.spent(name), 6),
             }
         )
     return {"lanes": rows}

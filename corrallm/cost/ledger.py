@@ -13,6 +13,7 @@ from corrallm.config.schema import Backend, Config, ProcessSpec
 from corrallm.cost.model import CostModel, Metered, Price
 from corrallm.cost.spend import SpendWindow
 from corrallm.store.activity import Activity, ActivityLog
+from corrallm.store.db import Store
 
 ERROR_SUMMARY_CHARS = 500
 
@@ -51,6 +52,22 @@ class Ledger:
             for name, g in config.priority_groups.items()
             if g.spend_limit is not None
         }
+
+    async def restore(self, store: Store) -> None:
+        """After a restart, the spend still inside each limited lane's window (S6)."""
+        for group, window in self.spend.items():
+            rows = await store.query(
+                "SELECT CAST(t / 60 AS INTEGER) * 60 AS minute, SUM(cost_usd) AS usd "
+                "FROM activity INDEXED BY activity_grp_t WHERE grp = ? AND t >= ? "
+                "GROUP BY minute ORDER BY minute",
+                (group, time.time() - window.window),
+            )
+            for row in rows:
+                window.add(row["usd"] or 0.0, row["minute"])
+
+    def spent(self, group: str) -> float:
+        window = self.spend.get(group)
+        return window.spent(time.time()) if window else 0.0
 
     def reserve(self, visit: Visit, backend: Backend, max_tokens: int | None) -> float | None:
         """S6: hold the visit's estimated cost; None if admitted, else seconds to wait."""

@@ -123,6 +123,20 @@ def test_S6_a_lane_over_its_spend_limit_gets_429_and_others_are_unaffected(gw):
     assert error["code"] == "spend_limit" and "spendLimit" in error["message"]
     assert 3000 < int(refused.headers["retry-after"]) <= 3600  # when the first spend leaves
     assert chat(gw, "paid", "coder-key", max_tokens=40).status_code == 200  # other lanes
+    lanes = {x["name"]: x for x in gw.api("GET", "lanes").json()["lanes"]}
+    assert lanes["thrifty"]["spend_usd_window"] == pytest.approx(0.019)
+    assert lanes["coders"]["spend_usd_window"] == 0  # no spendLimit: no window
+
+
+def test_S6_spend_in_the_window_survives_a_restart(gateway_factory, fake_backend):
+    text = CONFIG.format(local=fake_cmd(), paid_port=fake_backend.port)
+    first = gateway_factory(text)
+    assert chat(first, "paid", "cheap-key", max_tokens=40).status_code == 200
+    first.signal(signal.SIGTERM)
+    first.wait_exit()
+    second = gateway_factory(text, home=first.home)
+    refused = chat(second, "paid", "cheap-key", max_tokens=40)
+    assert refused.status_code == 429 and refused.json()["error"]["code"] == "spend_limit"
 
 
 def test_C3_activity_survives_a_restart_and_a_kill_9(gateway_factory, fake_backend):
