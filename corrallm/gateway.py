@@ -95,7 +95,7 @@ class Gateway:
                 endpoint: Endpoint
                 if backend.extension:
                     endpoint = self.extensions[backend.extension]
-                elif backend.cmd:
+                elif backend.cmd or backend.supervision in ("docker", "systemd"):
                     endpoint = self._supervisor(bid, backend)
                     self._track(endpoint, backend, [model])
                 else:

@@ -14,6 +14,7 @@ import os
 import shlex
 import signal
 import sys
+import tempfile
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
@@ -97,6 +98,40 @@ async def spawn(
     exited = asyncio.create_task(pump(), name=f"pump-{proc.pid}")
     started = create_time(proc.pid) or 0.0
     return Spawned(proc.pid, proc.pid, started, exited)
+
+
+async def run(
+    argv: list[str],
+    env: Mapping[str, str],
+    cwd: str | None,
+    on_line: Callable[[str], None],
+    within: float,
+) -> int | None:
+    """Run a short command (a starter or a stopper) to completion; None if it overran.
+
+    Its output goes through a file, not a pipe: a starter such as `docker start` may leave
+    a daemon behind, and a pipe would not reach end-of-file while that daemon lives.
+    """
+    with tempfile.TemporaryFile() as out:
+        proc = await asyncio.create_subprocess_exec(
+            *argv,
+            stdin=asyncio.subprocess.DEVNULL,
+            stdout=out,
+            stderr=asyncio.subprocess.STDOUT,
+            env={**os.environ, **env},
+            cwd=cwd,
+            start_new_session=True,
+        )
+        try:
+            code: int | None = await asyncio.wait_for(proc.wait(), within)
+        except TimeoutError:
+            signal_group(proc.pid, signal.SIGKILL)
+            await proc.wait()
+            code = None
+        out.seek(0)
+        for line in out.read().decode("utf-8", "replace").splitlines():
+            on_line(line)
+    return code
 
 
 def adopt(pid: int, started: float) -> Spawned:

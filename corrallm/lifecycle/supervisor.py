@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from corrallm.config.schema import PORT_PLACEHOLDER, ProcessSpec
-from corrallm.lifecycle import process
+from corrallm.lifecycle import process, supervision
 from corrallm.lifecycle.logs import LogBuffer
 from corrallm.lifecycle.pidrecords import PidRecord, PidRecords, file_name
 from corrallm.lifecycle.state import BUSY, State, check_transition
@@ -100,13 +100,14 @@ class Supervisor:
     proc: process.Spawned | None = None
 
     def __post_init__(self) -> None:
-        assert self.spec.cmd is not None and self.spec.proxy is not None, "validated config"
+        assert self.spec.proxy is not None, "validated config"
         self.logs = LogBuffer(self.home / "logs" / f"{file_name(self.id)}.log")
         self.records = PidRecords(self.home)
         self._changed = asyncio.Event()
         self._start_task: asyncio.Task[None] | None = None
         self._watcher: asyncio.Task[None] | None = None
         self._pause_wanted = False
+        self._strategy: supervision.Strategy | None = None
 
     # -- what callers ask ------------------------------------------------------------
 
@@ -242,29 +243,40 @@ class Supervisor:
         except asyncio.CancelledError:
             if self.proc is not None:
                 await self._reap(self.proc, "start cancelled")
+            else:
+                await self._run_stop("start cancelled")
             self._move(State.STOPPING)
             self._move(State.STOPPED)
             raise
 
     async def _spawn_and_wait(self) -> None:
-        assert self.spec.cmd is not None and self.spec.proxy is not None
+        assert self.spec.proxy is not None
         proxy = self.spec.proxy
         self.port = free_port() if PORT_PLACEHOLDER in proxy else _port_of(proxy)
         self.base_url = resolve_url(proxy, self.port)
-        cmd = self.spec.cmd.replace(PORT_PLACEHOLDER, str(self.port))
+        cmd = self.spec.cmd.replace(PORT_PLACEHOLDER, str(self.port)) if self.spec.cmd else None
         env = {k: v.replace(PORT_PLACEHOLDER, str(self.port)) for k, v in self.spec.env.items()}
+        plan = self._strategy = supervision.strategy(self.spec, cmd)
         self.logs.open()
-        self.logs.note(f"starting: {cmd}")
+        self.logs.note(f"starting ({self.spec.supervision}): {plan.describe()}")
         began = self.clock()
+        proc: process.Spawned | None = None
         try:
-            proc = await process.spawn(
-                process.program_argv(cmd), env, self.spec.cwd, self.logs.append
-            )
+            if plan.start is not None:
+                code = await process.run(
+                    plan.start, env, self.spec.cwd, self.logs.append, self.health_timeout
+                )
+                if code != 0:
+                    what = "did not finish" if code is None else f"exited with code {code}"
+                    return self._fail(f"its start command `{plan.describe()}` {what}")
+            if plan.serve is not None:
+                proc = await process.spawn(plan.serve, env, self.spec.cwd, self.logs.append)
         except OSError as exc:
             return self._fail(f"could not run its command: {exc}")
-        self.proc = proc
-        self.logs.note(f"spawned pid {proc.pid}")
-        self.records.write(self._record())
+        if proc is not None:
+            self.proc = proc
+            self.logs.note(f"spawned pid {proc.pid}")
+            self.records.write(self._record())
         outcome = await self._await_health(proc)
         if outcome == "healthy":
             self.last_load_seconds = self.clock() - began
@@ -272,28 +284,36 @@ class Supervisor:
             self.last_used = self.clock()
             self.logs.note(f"ready in {self.last_load_seconds:.2f}s at {self.base_url}")
             self._move(State.READY)
-            self._watcher = asyncio.create_task(self._watch(proc))
+            if proc is not None:
+                self._watcher = asyncio.create_task(self._watch(proc))
             return None
-        if outcome == "exited":
+        if outcome == "exited" and proc is not None:
             reason = f"exited with code {proc.exited.result()} while starting"
         else:
             reason = f"did not become healthy within {self.health_timeout:g}s (--health-timeout)"
-        await self._reap(proc, reason)
+        if proc is not None:
+            await self._reap(proc, reason)
+        else:
+            await self._run_stop(reason)
         return self._fail(reason)
 
-    async def _await_health(self, proc: process.Spawned) -> str:
-        assert self.spec.proxy is not None
+    async def _await_health(self, proc: process.Spawned | None) -> str:
+        """Poll health until it answers; an owned process exiting first is a failure."""
         url = self.base_url + self.spec.health.path
         deadline = self.clock() + self.health_timeout
         while True:
-            if proc.exited.done():
+            if proc is not None and proc.exited.done():
                 return "exited"
             if await self._healthy(url):
                 return "healthy"
             remaining = deadline - self.clock()
             if remaining <= 0:
                 return "timeout"
-            await asyncio.wait({proc.exited}, timeout=min(HEALTH_POLL_SECONDS, remaining))
+            wait = min(HEALTH_POLL_SECONDS, remaining)
+            if proc is not None:
+                await asyncio.wait({proc.exited}, timeout=wait)
+            else:
+                await asyncio.sleep(wait)
 
     async def _healthy(self, url: str) -> bool:
         return await self.probe(url) in self.spec.health.expect_status
@@ -309,11 +329,30 @@ class Supervisor:
 
     async def _stop_process(self) -> None:
         self._move(State.STOPPING)
-        if self.proc is not None:
+        await self._run_stop(None)
+        if self.proc is not None:  # what a stop command left of our own group goes too
             how = await process.stop_group(self.proc.pgid, self.proc.exited, self.spec.stop_grace)
             self.logs.note(f"stopped ({how})")
             self._forget_process()
         self._move(State.STOPPED)
+
+    async def _run_stop(self, why: str | None) -> None:
+        """The strategy's stop command (command, docker, systemd), if it has one."""
+        plan = self._strategy
+        if plan is None or plan.stop is None:
+            return
+        if why:
+            self.logs.note(why)
+        self.logs.note(f"stopping: {' '.join(plan.stop)}")
+        try:
+            code = await process.run(
+                plan.stop, {}, self.spec.cwd, self.logs.append, self.spec.stop_grace + 15
+            )
+        except OSError as exc:
+            self.logs.note(f"stop command failed to run: {exc}")
+            return
+        if code != 0:
+            self.logs.note(f"stop command ended with {code}")
 
     async def _reap(self, proc: process.Spawned, note: str | None) -> None:
         """Make sure nothing of the group is left before the state moves on (L4)."""

@@ -30,6 +30,7 @@ from corrallm.proxy.asgi import (
     send_bytes,
 )
 from corrallm.proxy.errors import ApiError, internal, not_found
+from corrallm.ui.app import Dashboard, is_dashboard_path
 
 log = logging.getLogger("corrallm.proxy")
 
@@ -50,6 +51,7 @@ class CorrallmApp:
         self._models_body = self._models_list()
         self._management: ASGIApp = build_rest(gateway)
         self._graphql: ASGIApp = build_graphql(gateway)
+        self.dashboard = Dashboard(gateway, admin_token)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         kind = scope["type"]
@@ -80,6 +82,8 @@ class CorrallmApp:
                 await send_bytes(send, 200, self._models_body)
             elif path == "/api" or path.startswith("/api/"):
                 await self._management_api(scope, receive, send)
+            elif is_dashboard_path(path):
+                await self.dashboard(scope, receive, send)
             else:
                 raise not_found(
                     f"No endpoint {method} {path}. corrallm serves POST "
@@ -156,13 +160,17 @@ class CorrallmApp:
             if message["type"] == "lifespan.startup":
                 try:
                     await self.gateway.start()
+                    await self.dashboard.start()
                 except Exception as exc:
                     log.exception("startup failed")
                     await send({"type": "lifespan.startup.failed", "message": str(exc)})
                     return
                 await send({"type": "lifespan.startup.complete"})
             elif message["type"] == "lifespan.shutdown":
-                await self.gateway.stop()
+                try:
+                    await self.dashboard.stop()
+                finally:
+                    await self.gateway.stop()
                 await send({"type": "lifespan.shutdown.complete"})
                 return
 

@@ -154,6 +154,23 @@ MIGRATIONS: Sequence[Sequence[str]] = (
         END
         """,
     ),
+    # 4: the economics ledger (SPEC §11 D1): per backend, counters kept from install on.
+    (
+        """
+        CREATE TABLE economics (
+            backend TEXT PRIMARY KEY,
+            first_seen REAL NOT NULL,      -- unix seconds: when counting began
+            wakes INTEGER NOT NULL DEFAULT 0,
+            sleeps INTEGER NOT NULL DEFAULT 0,
+            asleep_seconds REAL NOT NULL DEFAULT 0,
+            wake_count INTEGER NOT NULL DEFAULT 0,  -- wakes with a measured latency
+            wake_seconds_total REAL NOT NULL DEFAULT 0,
+            wake_seconds_max REAL NOT NULL DEFAULT 0,
+            wake_seconds_last REAL,
+            gpu_hours REAL NOT NULL DEFAULT 0   -- sum of hours asleep * GPU footprint / capacity
+        ) WITHOUT ROWID
+        """,
+    ),
 )
 
 

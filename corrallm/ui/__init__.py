@@ -1,0 +1,1 @@
+"""The dashboard (SPEC §11 D1): server-rendered pages and small hand-written JS, no build step."""

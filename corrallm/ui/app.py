@@ -1,0 +1,188 @@
+"""The dashboard's HTTP side (SPEC §11 D1, §10 P3): the sign-in, the page at `/`, one
+fragment per section (`/ui/section/<name>`, what live updates re-fetch), static files.
+
+The page and its fragments need the admin token like `/api/*` (the `corrallm_token`
+cookie the sign-in sets, or a bearer header); the sign-in page and static files do not.
+"""
+
+from __future__ import annotations
+
+import hmac
+import mimetypes
+import time
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+from urllib.parse import parse_qsl
+
+import jinja2
+
+from corrallm import __version__
+from corrallm.api.auth import COOKIE, authorized, canonical
+from corrallm.api.service import ServiceError
+from corrallm.gateway import Gateway
+from corrallm.proxy.asgi import Receive, Scope, Send, read_body, send_bytes
+from corrallm.ui import views
+from corrallm.ui.economics import Economics
+
+HERE = Path(__file__).parent
+STATIC = HERE / "static"
+HTML = b"text/html; charset=utf-8"
+DASH = "\N{EN DASH}"  # an empty cell
+SIGNIN_LIMIT = 4096
+SECURITY_HEADERS = {
+    "content-security-policy": "default-src 'self'; img-src 'self' data:; "
+    "style-src 'self'; script-src 'self'; connect-src 'self'; frame-ancestors 'none'",
+    "x-content-type-options": "nosniff",
+    "referrer-policy": "no-referrer",
+    "cache-control": "no-store",
+}
+PATHS = frozenset({"/", "/signin", "/signout"})
+
+
+def is_dashboard_path(path: str) -> bool:
+    return path in PATHS or path.startswith("/ui/")
+
+
+class Dashboard:
+    def __init__(self, gateway: Gateway, admin_token: str) -> None:
+        self.gw = gateway
+        self._token = admin_token
+        self.economics = Economics(gateway)
+        self.env = jinja2.Environment(
+            loader=jinja2.FileSystemLoader(HERE / "templates"),
+            autoescape=True,
+            trim_blocks=True,
+            lstrip_blocks=True,
+            undefined=jinja2.StrictUndefined,
+        )
+        self.env.filters.update(size=size, duration=duration, when=when, pct=pct)
+        self._static = {p.name: p.read_bytes() for p in STATIC.iterdir() if p.is_file()}
+
+    async def start(self) -> None:
+        await self.economics.start()
+
+    async def stop(self) -> None:
+        await self.economics.stop()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        path, method = scope["path"], scope["method"]
+        if not canonical(scope):
+            await self._page(send, 404, "signin.html", error="No such page.")
+        elif path.startswith("/ui/static/"):
+            await self._static_file(send, path.removeprefix("/ui/static/"))
+        elif path == "/signin":
+            if method == "POST":
+                await self._signin(scope, receive, send)
+            else:
+                await self._page(send, 200, "signin.html", error=None)
+        elif path == "/signout":
+            await send_bytes(send, 303, b"", HTML, {"location": "/signin", **_cookie("", 0)})
+        elif not authorized(scope, self._token):
+            if path == "/":
+                await send_bytes(send, 303, b"", HTML, {"location": "/signin"})
+            else:
+                await send_bytes(send, 401, b"Sign in again.", b"text/plain")
+        elif path == "/":
+            await self._dashboard(send)
+        elif path.startswith("/ui/section/"):
+            query = dict(parse_qsl(scope.get("query_string", b"").decode("latin-1")))
+            await self._fragment(send, path.removeprefix("/ui/section/"), query)
+        else:
+            await self._page(send, 404, "signin.html", error="No such page.")
+
+    async def _signin(self, scope: Scope, receive: Receive, send: Send) -> None:
+        body = await read_body(receive, SIGNIN_LIMIT)
+        given = dict(parse_qsl(body.decode("utf-8", "replace"))).get("token", "").strip()
+        if not hmac.compare_digest(given.encode(), self._token.encode()):
+            await self._page(
+                send,
+                401,
+                "signin.html",
+                error="That is not the admin token. Copy it from the file admin.token "
+                "in corrallm's home folder.",
+            )
+            return
+        secure = scope.get("scheme") == "https"
+        await send_bytes(
+            send, 303, b"", HTML, {"location": "/", **_cookie(given, None, secure=secure)}
+        )
+
+    async def _dashboard(self, send: Send) -> None:
+        context: dict[str, Any] = {"sections": {}}
+        for name in views.SECTIONS:
+            context["sections"][name] = await views.section(name, self.gw, self.economics, {})
+        await self._page(send, 200, "dashboard.html", **context)
+
+    async def _fragment(self, send: Send, name: str, query: dict[str, str]) -> None:
+        if name not in views.SECTIONS:
+            await send_bytes(send, 404, b"No such section.", b"text/plain")
+            return
+        try:
+            data = await views.section(name, self.gw, self.economics, query)
+        except ServiceError as exc:
+            await send_bytes(send, exc.status, exc.message.encode(), b"text/plain")
+            return
+        await self._page(send, 200, f"{name}.html", s=data)
+
+    async def _page(self, send: Send, status: int, template: str, **context: Any) -> None:
+        html = self.env.get_template(template).render(
+            version=__version__, now=time.time(), gw=self.gw, **context
+        )
+        await send_bytes(send, status, html.encode(), HTML, SECURITY_HEADERS)
+
+    async def _static_file(self, send: Send, name: str) -> None:
+        body = self._static.get(name)
+        if body is None:
+            await send_bytes(send, 404, b"No such file.", b"text/plain")
+            return
+        kind = mimetypes.guess_type(name)[0] or "application/octet-stream"
+        if kind.startswith("text/") or kind.endswith("javascript"):
+            kind += "; charset=utf-8"
+        await send_bytes(send, 200, body, kind.encode(), {"cache-control": "no-cache"})
+
+
+def _cookie(value: str, max_age: int | None, secure: bool = False) -> dict[str, str]:
+    parts = [f"{COOKIE}={value}", "Path=/", "HttpOnly", "SameSite=Strict"]
+    if max_age is not None:
+        parts.append(f"Max-Age={max_age}")
+    if secure:
+        parts.append("Secure")
+    return {"set-cookie": "; ".join(parts)}
+
+
+# -- template filters -----------------------------------------------------------------
+
+
+def size(n: float | None) -> str:
+    if n is None:
+        return DASH
+    value = float(n)
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if abs(value) < 1000 or unit == "TB":
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1000
+    return f"{value:.1f} TB"
+
+
+def duration(seconds: float | None) -> str:
+    if seconds is None:
+        return DASH
+    s = float(seconds)
+    if s < 60:
+        return f"{s:.1f} s"
+    if s < 3600:
+        return f"{s / 60:.1f} min"
+    if s < 86400:
+        return f"{s / 3600:.1f} h"
+    return f"{s / 86400:.1f} d"
+
+
+def when(unix: float | None) -> str:
+    if unix is None:
+        return DASH
+    return datetime.fromtimestamp(unix, UTC).strftime("%Y-%m-%d %H:%M UTC")
+
+
+def pct(fraction: float | None) -> str:
+    return DASH if fraction is None else f"{100 * fraction:.0f}%"

@@ -1,0 +1,149 @@
+"""What each dashboard section shows, gathered from the one service layer (api/service.py,
+api/usage.py) and the economics ledger. Plain data for the templates; no HTML here."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Any
+
+from corrallm.api import service, usage
+from corrallm.gateway import Gateway
+from corrallm.ui.economics import Economics
+
+SECTIONS = ("overview", "residency", "lanes", "usage", "logs", "economics", "definitions")
+# Usage ranges: (how far back, bucket length).
+RANGES = {"hour": ("1h", "5m"), "day": ("24h", "1h"), "week": ("7d", "6h")}
+
+
+async def section(
+    name: str, gw: Gateway, economics: Economics, params: dict[str, str]
+) -> dict[str, Any]:
+    if name == "overview":
+        return overview(gw)
+    if name == "residency":
+        return residency(gw)
+    if name == "lanes":
+        return lanes(gw)
+    if name == "usage":
+        return await usage_view(gw, params.get("range", "day"))
+    if name == "logs":
+        return logs(gw, params.get("model"))
+    if name == "economics":
+        return economics.view()
+    return definitions(gw)
+
+
+def overview(gw: Gateway) -> dict[str, Any]:
+    data = service.overview(gw)
+    return {"models": data["models"]}
+
+
+def residency(gw: Gateway) -> dict[str, Any]:
+    pools = {s["name"]: s["pools"] for s in service.overview(gw)["servers"]}
+    servers = []
+    for server in service.residency(gw)["servers"]:
+        rows = []
+        for pool, p in pools.get(server["name"], {}).items():
+            capacity = max(p["capacity"], 1)
+            residents = [
+                {
+                    "backend": r["backend"],
+                    "state": r["state"],
+                    "pinned": r["pinned"],
+                    "declared": r["ram_usage"].get(pool, 0),
+                    "measured": (r["measured"] or {}).get(pool),
+                }
+                for r in server["residents"]
+                if r["ram_usage"].get(pool)
+            ]
+            x = 0.0
+            for r in residents:  # stacked: each segment's offset and width, as % of capacity
+                r["x"] = x
+                r["w"] = 100.0 * r["declared"] / capacity
+                x += r["w"]
+            measured = [r["measured"] for r in residents if r["measured"] is not None]
+            rows.append(
+                {
+                    "pool": pool,
+                    "capacity": p["capacity"],
+                    "reserve": p["reserve"],
+                    "reserve_w": 100.0 * p["reserve"] / capacity,
+                    "used": p["used"],
+                    "measured": sum(measured) if measured else None,
+                    "residents": residents,
+                }
+            )
+        servers.append({"name": server["name"], "pools": rows})
+    return {"servers": servers}
+
+
+def lanes(gw: Gateway) -> dict[str, Any]:
+    rows = service.lanes(gw)["lanes"]
+    total_weight = sum(r["weight"] for r in rows) or 1.0
+    for r in rows:
+        r["weight_share"] = r["weight"] / total_weight
+        spec = gw.config.priority_groups.get(r["name"])
+        limit = spec.spend_limit if spec else None
+        r["spend_limit_usd"] = limit.usd if limit else None
+        r["spend_window"] = limit.window if limit else None
+    return {"lanes": rows, "reservations": service.reservations(gw)["reservations"]}
+
+
+async def usage_view(gw: Gateway, range_name: str) -> dict[str, Any]:
+    if range_name not in RANGES:
+        range_name = "day"
+    since, bucket = RANGES[range_name]
+    by_key = (await usage.usage_by_key(gw, since))["rows"]
+    keys: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
+    lanes_: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
+    for row in by_key:
+        for target in (keys[row["key"] or "(no key)"], lanes_[row["group"]]):
+            for field in ("requests", "cost_usd", "energy_wh"):
+                target[field] += row[field]
+            target["dwell_ms"] += row["dwell_ms_avg"] * row["requests"]
+    series = await usage.usage_series(gw, since, None, bucket)
+    depth = await usage.queue_depth(gw, since, None, bucket)
+    peaks: dict[str, int] = defaultdict(int)
+    for point in depth["points"]:
+        peaks[point["t"]] = max(peaks[point["t"]], point["waiting"])
+    return {
+        "range": range_name,
+        "ranges": list(RANGES),
+        "key_bars": _bars(keys),
+        "lane_bars": _bars(lanes_),
+        "series": series["points"],
+        "series_max": max((p["requests"] for p in series["points"]), default=0),
+        "bucket_seconds": series["bucket_seconds"],
+        "depth": [{"t": t, "waiting": w} for t, w in sorted(peaks.items())],
+        "depth_max": max(peaks.values(), default=0),
+    }
+
+
+def _bars(groups: dict[str, dict[str, float]]) -> list[dict[str, Any]]:
+    top = max((g["requests"] for g in groups.values()), default=0) or 1
+    return [
+        {"name": name, **g, "w": 100.0 * g["requests"] / top}
+        for name, g in sorted(groups.items(), key=lambda kv: -kv[1]["requests"])
+    ]
+
+
+def logs(gw: Gateway, model: str | None) -> dict[str, Any]:
+    names = [s.name for s in gw.served]
+    chosen = model if model in names else (names[0] if names else None)
+    data = service.model_logs(gw, chosen, 200) if chosen else {"lines": []}
+    backend = gw.models[chosen].primary.endpoint.id if chosen else None
+    return {"models": names, "model": chosen, "backend": backend, **data}
+
+
+def definitions(gw: Gateway) -> dict[str, Any]:
+    config = gw.config
+    return {
+        "models": [
+            {"name": name, "model": m, "ids": [r.id for r in gw.models[name].routes]}
+            for name, m in config.models.items()
+        ],
+        "groups": config.priority_groups,
+        "default_group": config.scheduler.default_group,
+        "commands": config.command_costs,
+        "extensions": config.extensions,
+    }
