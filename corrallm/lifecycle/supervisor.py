@@ -258,7 +258,7 @@ class Supervisor:
         env = {k: v.replace(PORT_PLACEHOLDER, str(self.port)) for k, v in self.spec.env.items()}
         plan = self._strategy = supervision.strategy(self.spec, cmd)
         self.logs.open()
-        self.logs.note(f"starting ({self.spec.supervision}): {plan.describe()}")
+        self.logs.note(f"starting: {plan.describe()} (supervision: {self.spec.supervision})")
         began = self.clock()
         proc: process.Spawned | None = None
         try:

@@ -100,7 +100,7 @@ async def usage_view(gw: Gateway, range_name: str) -> dict[str, Any]:
         for target in (keys[row["key"] or "(no key)"], lanes_[row["group"]]):
             for field in ("requests", "cost_usd", "energy_wh"):
                 target[field] += row[field]
-            target["dwell_ms"] += row["dwell_ms_avg"] * row["requests"]
+            target["dwell_ms"] += (row["dwell_ms_avg"] or 0) * row["requests"]
     series = await usage.usage_series(gw, since, None, bucket)
     depth = await usage.queue_depth(gw, since, None, bucket)
     peaks: dict[str, int] = defaultdict(int)

@@ -151,7 +151,7 @@ def test_D1_lanes_show_weights_shares_and_spend_limits(gw, signed_in):
     html = section(client, "lanes")
     assert 'data-lane="gold"' in html and 'data-lane="bronze"' in html
     assert "weight 75%" in html and "weight 25%" in html
-    assert "of $5.00 per 60.0 min" in html
+    assert "of $5.00 per 1.0 h" in html
     assert "No live reservations." in html
 
 
