@@ -120,6 +120,62 @@ def config_schema() -> None:
     typer.echo(json.dumps(json_schema(), indent=2))
 
 
+@app.command()
+def verify(
+    model: Annotated[str, typer.Option(help="the model to cycle")],
+    base_url: Annotated[str, typer.Option(help="the running corrallm")] = "http://127.0.0.1:6502",
+    token: Annotated[
+        str | None, typer.Option(envvar="CORRALLM_TOKEN", help="admin token (default: from --home)")
+    ] = None,
+    home: Annotated[Path, typer.Option(envvar="CORRALLM_HOME")] = Path("~/.corrallm"),
+    timeout: Annotated[float, typer.Option(help="seconds allowed for each step")] = 300.0,
+) -> None:
+    """Asleep -> request -> wakes -> responds -> idle -> asleep, each step timed."""
+    from corrallm.tools.verify import Verify, VerifyFailed
+
+    if token is None:
+        token_file = home.expanduser() / "admin.token"
+        if not token_file.exists():
+            typer.echo(
+                f"no admin token: pass --token or point --home at corrallm's ({token_file})",
+                err=True,
+            )
+            raise typer.Exit(2)
+        token = token_file.read_text().strip()
+    try:
+        steps = Verify(base_url, model, token, timeout, typer.echo).run()
+    except VerifyFailed as exc:
+        typer.echo(f"verify failed: {exc}", err=True)
+        raise typer.Exit(1) from exc
+    total = sum(seconds for _, seconds, _ in steps)
+    typer.echo(f"verify passed: {len(steps)} steps in {total:.2f}s")
+
+
+@app.command()
+def bench(
+    base_url: Annotated[str, typer.Option(help="any OpenAI-compatible endpoint")],
+    model: Annotated[str, typer.Option(help="model name to send")],
+    concurrency: Annotated[int, typer.Option(min=1)] = 1,
+    requests: Annotated[int, typer.Option(min=1)] = 20,
+    max_tokens: Annotated[int, typer.Option(min=1)] = 64,
+    prompt: str = "Write a short paragraph about corrals.",
+    api_key: Annotated[str | None, typer.Option(envvar="OPENAI_API_KEY")] = None,
+    request_timeout: float = 300.0,
+    as_json: Annotated[bool, typer.Option("--json", help="print the result as JSON")] = False,
+) -> None:
+    """Time to first token, tokens/s and latency percentiles of streamed chat completions."""
+    import asyncio
+
+    from corrallm.tools.bench import run, table
+
+    result = asyncio.run(
+        run(base_url, model, concurrency, requests, max_tokens, prompt, api_key, request_timeout)
+    )
+    typer.echo(json.dumps(result, indent=2) if as_json else table(result))
+    if result["errors"] == result["requests"]:
+        raise typer.Exit(1)
+
+
 @app.command("dump-graphql")
 def dump_graphql() -> None:
     """Print the GraphQL schema (SDL) of /api/graphql."""

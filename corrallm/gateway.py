@@ -134,10 +134,12 @@ class Gateway:
         return sup
 
     def _track(self, sup: Supervisor, spec: ProcessSpec, models: list[Model]) -> None:
-        """Account the process in its server's pools (R1); pinned if any model it serves is."""
+        """Account the process in its server's pools (R1) and for idle unload (R4); pinned if
+        any model it serves is. Without a server or ramUsage it takes no room but still
+        expires by its sticky.ttl."""
         server = spec.server or (next(iter(self.config.servers)) if self.config.servers else None)
-        if server is None or not spec.ram_usage:
-            return
+        if not spec.ram_usage:
+            server = None
         stickies = [m.sticky for m in models]
         ttls = [s.ttl for s in stickies if s is not None and s.ttl is not None]
         costs = [s.evict_cost for s in stickies if s is not None]

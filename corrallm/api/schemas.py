@@ -81,6 +81,7 @@ class ModelView(BaseModel):
     paused: bool
     paused_until: str | None
     persistent: bool
+    ttl_seconds: float | None = Field(None, description="sticky.ttl: idle time before unload")
     backends: list[BackendView]
 
 

@@ -215,7 +215,7 @@ def overview(gw: Gateway) -> dict[str, Any]:
                 {
                     "id": route.id,
                     "state": str(endpoint.state),
-                    "server": tenancy.server if tenancy else route.config.server,
+                    "server": (tenancy.server if tenancy else None) or route.config.server,
                     "quality": route.config.quality,
                     "type": route.config.type,
                     "max_concurrent": route.config.max_concurrent,
@@ -236,6 +236,7 @@ def overview(gw: Gateway) -> dict[str, Any]:
                 "paused": paused,
                 "paused_until": rfc3339(until) if paused else None,
                 "persistent": served.config.persistent,
+                "ttl_seconds": served.config.sticky.ttl if served.config.sticky else None,
                 "backends": backends,
             }
         )

@@ -36,7 +36,7 @@ class Tenancy:
     """What a supervised process asks of a server's pools, and how it may be evicted."""
 
     supervisor: Supervisor
-    server: str
+    server: str | None  # None: it takes no room in any pool (only its ttl matters)
     usage: dict[str, int]
     pinned: bool = False
     ttl: float | None = None
@@ -95,14 +95,14 @@ class Residency:
     def could_fit(self, sup: Supervisor) -> bool:
         """Whether a start of `sup` could be placed now, evicting idle residents if needed."""
         tenancy = self.tenancies.get(sup.id)
-        if tenancy is None or sup.state in HOLDING:
+        if tenancy is None or tenancy.server is None or sup.state in HOLDING:
             return True
         return self._plan(tenancy).fits
 
     async def make_room(self, sup: Supervisor) -> None:
         """The supervisor's `room` seam: return once `sup` fits, evicting as planned (R2)."""
         tenancy = self.tenancies.get(sup.id)
-        if tenancy is None:
+        if tenancy is None or tenancy.server is None:
             return
         deadline = self.clock() + self.max_wait
         async with self._locks[tenancy.server]:
@@ -139,6 +139,7 @@ class Residency:
     # -- the machinery ---------------------------------------------------------------
 
     def _plan(self, tenancy: Tenancy) -> Plan:
+        assert tenancy.server is not None, "only tenancies that take room are planned"
         server = self.servers[tenancy.server]
         now = self.clock()
         residents = [t.resident(now) for t in self.residents(tenancy.server, tenancy.supervisor.id)]

@@ -24,7 +24,6 @@ ARGS = [
     "--disable-sync",
     "--no-first-run",
 ]
-CONSOLE: list[str] = []
 SECTIONS = ("overview", "residency", "lanes", "usage", "logs", "economics", "definitions")
 
 CONFIG = f"""
@@ -60,7 +59,6 @@ def page(browser: Browser) -> Iterator[Page]:
     context = browser.new_context(viewport={"width": 1280, "height": 900})
     page = context.new_page()
     outside: list[str] = []
-    page.on("console", lambda m: CONSOLE.append(m.text))
     page.on(
         "request",
         lambda r: outside.append(r.url) if not r.url.startswith("http://127.0.0.1") else None,
@@ -106,9 +104,7 @@ def test_D1_browser_live_state_pause_resume_and_usage(gateway_factory, page, tmp
     expect(state).to_have_text("ready", timeout=10_000)
     assert page.evaluate("window.__noReload") is True
     expect(page.locator('#residency [data-pool="gpu0"] rect[data-resident]')).to_have_count(1)
-    expect(page.locator('#economics tr[data-econ^="alpha"] [data-field="wakes"]')).to_have_text(
-        "1"
-    )
+    expect(page.locator('#economics tr[data-econ^="alpha"] [data-field="wakes"]')).to_have_text("1")
 
     # Pause (a confirmation, with an optional until) and resume, from the buttons.
     dialogs: list[str] = []
@@ -140,12 +136,7 @@ def test_D1_browser_live_state_pause_resume_and_usage(gateway_factory, page, tmp
             timeout=60,
         )
         assert r.status_code == 200
-    try:
-        expect(bar).to_have_count(1, timeout=15_000)
-    except AssertionError:
-        print(page.locator("#usage").inner_html())
-        print(CONSOLE)
-        raise
+    expect(bar).to_have_count(1, timeout=15_000)
     expect(page.locator('#usage li[data-lane="gold"]')).to_contain_text("2 req", timeout=15_000)
     expect(state).to_have_text("ready")
 

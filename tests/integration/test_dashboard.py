@@ -188,7 +188,7 @@ def test_D1_logs_show_a_backends_lines_and_parsed_context(gw, signed_in):
     html = section(client, "logs", model="alpha")
     assert '<option value="alpha" selected>' in html
     assert api["lines"] and api["lines"][-1].split(" ")[-1] in html
-    n_ctx = api["n_ctx"] if api["n_ctx"] is not None else "–"
+    n_ctx = api["n_ctx"] if api["n_ctx"] is not None else "\N{EN DASH}"
     assert f'data-field="n_ctx">{n_ctx}<' in html
 
 
