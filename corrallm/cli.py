@@ -107,9 +107,14 @@ def check(
 ) -> None:
     """Validate a config; print a summary, or every problem and exit non-zero."""
     from corrallm.config import summary
+    from corrallm.tools.environment import probe, report, warnings
 
     cfg, _ = _load(config)
     typer.echo(summary(cfg))
+    env = probe()
+    typer.echo("\n" + report(env))
+    for warning in warnings(cfg, env):
+        typer.echo(f"warning: {warning}")
 
 
 @app.command("config-schema")

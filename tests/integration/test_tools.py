@@ -77,3 +77,29 @@ def test_D3_bench_against_the_fake_backend_and_through_corrallm(gateway_factory,
     through = corrallm("bench", "--base-url", gw.url, "--model", "m", "--requests", "4")
     assert through.returncode == 0, through.stderr
     assert "| TTFT (ms) |" in through.stdout and "errors 0" in through.stdout
+
+
+def test_D4_check_reports_the_environment_and_warns_what_it_cannot_serve(tmp_path):
+    config = tmp_path / "c.yaml"
+    config.write_text(
+        "servers: {box: {pools: {gpu0: 8GB}}}\n"
+        "models:\n"
+        "  d: {backends: [{supervision: docker, dockerContainer: x, proxy: 5800}]}\n"
+        "  s: {backends: [{supervision: systemd, systemdUnit: y.service, proxy: 5801}]}\n"
+    )
+    empty_path = tmp_path / "bin"
+    empty_path.mkdir()  # no docker, systemctl or nvidia-smi on this PATH
+    done = subprocess.run(
+        [sys.executable, "-m", "corrallm", "check", "--config", str(config)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={"PATH": str(empty_path), "HOME": str(tmp_path)},
+    )
+    assert done.returncode == 0, done.stderr
+    out = done.stdout
+    assert "systemd: not usable: no systemctl on PATH" in out
+    assert "docker: not usable: no docker on PATH" in out
+    assert "nvidia-smi: not found" in out and "GPUs (NVML):" in out
+    assert "warning: models.d.backends[0]: supervision docker, but no docker on PATH" in out
+    assert "warning: models.s.backends[0]: supervision systemd, but no systemctl on PATH" in out
