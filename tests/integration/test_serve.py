@@ -42,3 +42,55 @@ def test_addr_forms(addr, expected):
 def test_addr_without_a_port_is_refused():
     with pytest.raises(ValueError, match="ADDR"):
         parse_addr("localhost")
+
+
+def test_serve_flags_db_and_activity_retention_by_env(gateway_factory, tmp_path):
+    import signal
+    import sqlite3
+    import time
+
+    from tests.support.processes import wait_for
+
+    db = tmp_path / "elsewhere" / "store.db"
+    config = "models: {m: {backends: [{proxy: 1}]}}"
+    first = gateway_factory(config, env={"CORRALLM_DB": str(db)})
+    assert db.exists() and not (first.home / "corrallm.db").exists()  # --db by its env twin
+    first.signal(signal.SIGTERM)
+    first.wait_exit()
+    with sqlite3.connect(db) as conn:  # a row ten days old, and one from now
+        for age in (10 * 86400, 0):
+            conn.execute(
+                "INSERT INTO activity (t, kind, grp, model, endpoint, status) "
+                "VALUES (?, 'request', 'default', 'm', '/v1/chat/completions', 200)",
+                (time.time() - age,),
+            )
+    gateway_factory(
+        config,
+        home=first.home,
+        env={"CORRALLM_DB": str(db), "CORRALLM_ACTIVITY_RETENTION": "2d"},
+    )
+
+    def remaining() -> int:
+        with sqlite3.connect(f"file:{db}?mode=ro", uri=True) as conn:
+            return int(conn.execute("SELECT COUNT(*) FROM activity").fetchone()[0])
+
+    wait_for(lambda: remaining() == 1, 20, interval=0.2, what="the old row pruned")
+
+
+@pytest.mark.parametrize(
+    ("flag", "value"),
+    [
+        ("--health-timeout", "soon"),
+        ("--reservation-max-ttl", "-5m"),
+        ("--activity-retention", "forever"),
+    ],
+)
+def test_serve_refuses_bad_durations_naming_the_flag(flag, value):
+    result = subprocess.run(
+        [sys.executable, "-m", "corrallm", "serve", flag, value],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 2
+    assert flag in result.stderr
