@@ -59,8 +59,10 @@ class Gateway:
         db_path: Path | None = None,
         reservation_max_ttl: float = 300.0,
         activity_retention: float = 30 * 86400.0,
+        config_path: Path | None = None,
     ) -> None:
-        self.config = config
+        self.config_path = config_path  # None: the packaged demo
+        self.version = 0  # bumped by each config reload
         self.reservation_max_ttl = reservation_max_ttl
         self.activity_retention = activity_retention
         self.home = home
@@ -70,18 +72,27 @@ class Gateway:
         self.store = Store(db_path or home / "corrallm.db")
         self.activity = ActivityLog(self.store)
         self.ledger = Ledger(config, self.activity)
+        self._tasks: set[asyncio.Task[None]] = set()
+        self.metrics = Metrics(self)
+        self.events = EventBus()
+        self.configure(config)
+        self.pauses = Pauses(self.store, self._pausables())
+        self.admission = Admission(config, self.routes)
+
+    def configure(self, config: Config) -> None:
+        """(Re)build every table from `config`, keeping the supervisor (and so the running
+        process) of each backend whose spec is unchanged (SPEC §10 P6)."""
+        self._previous = getattr(self, "supervisors", {})
+        self.config = config
         self.supervisors: dict[str, Supervisor] = {}
         self.extensions: dict[str, Supervisor] = {}
         self.routes: dict[str, Route] = {}
         self.models: dict[str, ServedModel] = {}  # by name and by alias
         self.served: list[ServedModel] = []  # each once, in config order
         self.residency = Residency(dict(config.servers), max_wait=config.scheduler.max_wait)
-        self._tasks: set[asyncio.Task[None]] = set()
-        self.metrics = Metrics(self)
-        self.events = EventBus()
         self._build()
-        self.pauses = Pauses(self.store, self._pausables())
-        self.admission = Admission(config, self.routes)
+        self._previous = {}
+        self.version += 1
 
     # -- built once ------------------------------------------------------------------
 
@@ -114,22 +125,19 @@ class Gateway:
         self._default = self.config.scheduler.default_group
 
     def _supervisor(self, sid: str, spec: ProcessSpec) -> Supervisor:
-        sup = Supervisor(
-            sid,
-            spec,
-            self.probe,
-            self.home,
-            self.health_timeout,
-            listeners=[
-                _log_transition,
-                self._charge_load,
-                self.metrics.transition,
-                self._publish_transition,
-            ],
-        )
-        sup.logs.listeners.append(
+        sup = self._previous.get(sid)
+        if sup is None or sup.spec != spec:
+            sup = Supervisor(sid, spec, self.probe, self.home, self.health_timeout)
+        sup.listeners[:] = [
+            _log_transition,
+            self._charge_load,
+            self.metrics.transition,
+            self._publish_transition,
+        ]
+        sup.idle_listeners.clear()
+        sup.logs.listeners[:] = [
             lambda line: self.events.publish("log", {"backend": sid, "line": line})
-        )
+        ]
         self.supervisors[sid] = sup
         return sup
 

@@ -49,6 +49,7 @@ def run(config: Config, options: ServeOptions) -> None:
         options.db,
         options.reservation_max_ttl,
         options.activity_retention,
+        options.config_path,
     )
     token = ensure_token(options.home)
     source = options.config_path or "the packaged demo config"

@@ -103,6 +103,7 @@ Overview = _gql(schemas.Overview)
 Residency = _gql(schemas.Residency)
 Lanes = _gql(schemas.Lanes)
 Reservations = _gql(schemas.Reservations)
+ReloadResult = _gql(schemas.ReloadResult)
 Logs = _gql(schemas.Logs)
 ActionResult = _gql(schemas.ActionResult)
 PauseResult = _gql(schemas.PauseResult)
@@ -198,6 +199,10 @@ class Query:
 
 @strawberry.type
 class Mutation:
+    @strawberry.mutation(description="POST /api/v1/config/reload")
+    async def reload_config(self, info: Info) -> ReloadResult:  # type: ignore[valid-type]
+        return await _call(schemas.ReloadResult, service.reload_config(_gw(info)))
+
     @strawberry.mutation(description="POST /api/v1/models/load")
     async def load_model(self, info: Info, model: str) -> ActionResult:  # type: ignore[valid-type]
         return await _call(schemas.ActionResult, service.load_model(_gw(info), model))

@@ -104,6 +104,11 @@ def build_rest(gw: Gateway) -> FastAPI:
             headers={"cache-control": "no-cache", "x-accel-buffering": "no"},
         )
 
+    @app.post(f"{PREFIX}/config/reload", response_model=schemas.ReloadResult)
+    async def reload_config() -> dict[str, Any]:
+        """Re-read the config file (as SIGHUP does); a bad one is refused, every problem named."""
+        return await service.reload_config(gw)
+
     @app.get(f"{PREFIX}/lanes", response_model=schemas.Lanes)
     async def lanes() -> dict[str, Any]:
         return service.lanes(gw)

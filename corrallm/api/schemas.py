@@ -270,3 +270,10 @@ ERRORS: dict[int | str, dict[str, object]] = {
         503: "no room could be made in the memory pools",
     }.items()
 }
+
+
+class ReloadResult(BaseModel):
+    kept: list[str] = Field(description="backends whose process kept running")
+    restarted: list[str] = Field(description="changed: drained, stopped, started on demand")
+    removed: list[str] = Field(description="drained and stopped")
+    added: list[str] = Field(description="available at once")

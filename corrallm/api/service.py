@@ -315,3 +315,25 @@ def reservations(gw: Gateway) -> dict[str, Any]:
             for lane, route, slots, left in gw.admission.leases()
         ]
     }
+
+
+async def reload_config(gw: Gateway) -> dict[str, Any]:
+    """SPEC §10 P6: re-read the config file; refused with every problem if it is bad."""
+    from corrallm.config import ConfigError
+    from corrallm.reload import read_config, reload
+
+    try:
+        config = read_config(gw)
+    except ConfigError as exc:
+        raise ServiceError(
+            400,
+            "The new config was refused; the old one stays in force. " + "; ".join(exc.problems),
+            "invalid_config",
+        ) from exc
+    report = await reload(gw, config)
+    return {
+        "kept": report.kept,
+        "restarted": report.restarted,
+        "removed": report.removed,
+        "added": report.added,
+    }

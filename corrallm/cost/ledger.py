@@ -45,13 +45,21 @@ class Visit:
 
 class Ledger:
     def __init__(self, config: Config, activity: ActivityLog) -> None:
-        self.costs = CostModel(config)
         self.activity = activity
-        self.spend = {
-            name: SpendWindow(g.spend_limit.usd, g.spend_limit.window)
-            for name, g in config.priority_groups.items()
-            if g.spend_limit is not None
-        }
+        self.spend: dict[str, SpendWindow] = {}
+        self.reconfigure(config)
+
+    def reconfigure(self, config: Config) -> None:
+        """Prices and limits from `config`; spend already in a window is kept."""
+        self.costs = CostModel(config)
+        spend = {}
+        for name, group in config.priority_groups.items():
+            if group.spend_limit is None:
+                continue
+            window = self.spend.get(name) or SpendWindow(0.0, 0.0)
+            window.limit_usd, window.window = group.spend_limit.usd, group.spend_limit.window
+            spend[name] = window
+        self.spend = spend
 
     async def restore(self, store: Store) -> None:
         """After a restart, the spend still inside each limited lane's window (S6)."""

@@ -92,6 +92,7 @@ class Supervisor:
     last_used: float = 0.0
     last_error: str | None = None
     last_load_seconds: float | None = None
+    retired: bool = False  # removed or replaced by a config reload: never started again
     started_for: Cause | None = None
     failures: int = 0
     retry_at: float = 0.0
@@ -118,6 +119,8 @@ class Supervisor:
     async def ensure_ready(self, cause: Cause | None = None) -> None:
         """Return once the backend is ready, starting it if needed (L1, L2, L3)."""
         while self.state is not State.READY:
+            if self.retired:
+                raise BackendFailed(f"backend '{self.id}' was removed or replaced by a reload")
             if self.state is State.PAUSED:
                 raise BackendPaused(f"backend '{self.id}' is paused")
             if self.state is State.FAILED and self.clock() < self.retry_at:

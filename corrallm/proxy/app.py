@@ -6,8 +6,10 @@ is what decides, and every microsecond here is added to every request.
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import logging
+import signal
 from collections.abc import Awaitable, Callable
 
 import orjson
@@ -48,7 +50,7 @@ class CorrallmApp:
         self.gateway = gateway
         self._admin_token = admin_token
         self._ids = itertools.count(1)
-        self._models_body = self._models_list()
+        self._models_body = (gateway.version, self._models_list())
         self._management: ASGIApp = build_rest(gateway)
         self._graphql: ASGIApp = build_graphql(gateway)
         self.dashboard = Dashboard(gateway, admin_token)
@@ -79,7 +81,9 @@ class CorrallmApp:
                 await send_bytes(send, 200, body, content_type=METRICS_CONTENT_TYPE)
             elif path == "/v1/models":
                 _require(method, "GET", path)
-                await send_bytes(send, 200, self._models_body)
+                if self._models_body[0] != self.gateway.version:  # a reload changed them
+                    self._models_body = (self.gateway.version, self._models_list())
+                await send_bytes(send, 200, self._models_body[1])
             elif path == "/api" or path.startswith("/api/"):
                 await self._management_api(scope, receive, send)
             elif is_dashboard_path(path):
@@ -165,6 +169,7 @@ class CorrallmApp:
                     log.exception("startup failed")
                     await send({"type": "lifespan.startup.failed", "message": str(exc)})
                     return
+                _reload_on_sighup(self.gateway)
                 await send({"type": "lifespan.startup.complete"})
             elif message["type"] == "lifespan.shutdown":
                 try:
@@ -173,6 +178,28 @@ class CorrallmApp:
                     await self.gateway.stop()
                 await send({"type": "lifespan.shutdown.complete"})
                 return
+
+
+def _reload_on_sighup(gateway: Gateway) -> None:
+    """SIGHUP re-reads the config (SPEC §10 P6); a bad file is logged and refused."""
+    from corrallm.config import ConfigError
+    from corrallm.reload import read_config, reload
+
+    async def on_sighup() -> None:
+        try:
+            await reload(gateway, read_config(gateway))
+        except ConfigError as exc:
+            log.error("SIGHUP: config refused, the old one stays in force:\n%s", exc.report())
+
+    loop = asyncio.get_running_loop()
+    tasks: set[asyncio.Task[None]] = set()
+
+    def spawn() -> None:
+        task = loop.create_task(on_sighup())
+        tasks.add(task)
+        task.add_done_callback(tasks.discard)
+
+    loop.add_signal_handler(signal.SIGHUP, spawn)
 
 
 def _require(method: str, expected: str, path: str) -> None:

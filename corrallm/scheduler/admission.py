@@ -80,23 +80,32 @@ class Admission:
     core: Scheduler = field(init=False)
 
     def __post_init__(self) -> None:
-        groups = [
-            GroupSpec(
-                name,
-                weight=g.weight,
-                currency=g.share_currency,
-                interruptible=g.interruptible,
-                max_queue_depth=g.max_queue_depth,
-            )
-            for name, g in self.config.priority_groups.items()
-        ]
         scheduler = self.config.scheduler
-        self.core = Scheduler(groups, scheduler.max_queue_depth, scheduler.default_group)
+        self.core = Scheduler(
+            _groups(self.config), scheduler.max_queue_depth, scheduler.default_group
+        )
         for route in self.routes.values():
             self.core.add_backend(route.id, route.config.max_concurrent)
         self._ids = itertools.count(1)
         self._waiting: dict[int, asyncio.Future[str]] = {}
         self._running: dict[int, Ticket] = {}
+
+    def reconfigure(self, config: Config, routes: dict[str, Route]) -> None:
+        """A config reload (SPEC §10 P6): lanes and slots change, requests in flight stay."""
+        self.config = config
+        # Routes of removed backends stay known until their queued requests are gone.
+        self.routes = {**self.routes, **routes}
+        capacities = {r.id: r.config.max_concurrent for r in routes.values()}
+        scheduler = config.scheduler
+        self._dispatch(
+            self.core.reconfigure(
+                _groups(config),
+                scheduler.max_queue_depth,
+                scheduler.default_group,
+                capacities,
+                self.clock(),
+            )
+        )
 
     # -- what a request does ---------------------------------------------------------
 
@@ -223,6 +232,19 @@ class Admission:
                 "default", PolicyConfig(reject=True)
             )
         return Policy(preempt=chosen.preempt, spill=chosen.spill, queue=chosen.queue)
+
+
+def _groups(config: Config) -> list[GroupSpec]:
+    return [
+        GroupSpec(
+            name,
+            weight=g.weight,
+            currency=g.share_currency,
+            interruptible=g.interruptible,
+            max_queue_depth=g.max_queue_depth,
+        )
+        for name, g in config.priority_groups.items()
+    ]
 
 
 def retry_after_header(seconds: float) -> str:

@@ -171,6 +171,36 @@ class Scheduler:
     def add_backend(self, backend: str, capacity: int) -> None:
         self.backends[backend] = _Backend(backend, capacity)
 
+    def reconfigure(
+        self,
+        groups: Sequence[GroupSpec],
+        max_queue_depth: int,
+        default_group: str,
+        capacities: dict[str, int],
+        now: float,
+    ) -> list[Admit]:
+        """A config reload: new group specs (usage kept), new backends and capacities.
+
+        Requests already running or queued stay where they are; a backend no longer
+        configured keeps its state until they are gone.
+        """
+        for spec in groups:
+            if spec.name in self.groups:
+                self.groups[spec.name].spec = spec
+            else:
+                self.groups[spec.name] = _Group(spec)
+        if default_group not in self.groups:
+            self.groups[default_group] = _Group(GroupSpec(default_group))
+        self.max_queue_depth = max_queue_depth
+        admits: list[Admit] = []
+        for backend, capacity in capacities.items():
+            if backend not in self.backends:
+                self.add_backend(backend, capacity)
+            elif self.backends[backend].capacity != capacity:
+                self.backends[backend].capacity = capacity
+                admits += self._fill(self.backends[backend], now)
+        return admits
+
     # -- arrivals ------------------------------------------------------------------------
 
     def submit(

@@ -1,0 +1,93 @@
+"""SPEC §10 P6: SIGHUP or POST /api/v1/config/reload re-reads the config; unchanged backends
+keep running, changed ones restart after draining, removed ones stop, new ones serve at
+once; a bad config is refused with every problem and the old one stays in force."""
+
+from __future__ import annotations
+
+import signal
+from pathlib import Path
+
+import httpx
+import psutil
+
+from tests.support.processes import fake_cmd, wait_for
+
+BEFORE = f"""
+models:
+  keep: {{backends: [{{cmd: "{fake_cmd()}", proxy: "${{PORT}}"}}]}}
+  change: {{backends: [{{cmd: "{fake_cmd("--tokens", "3")}", proxy: "${{PORT}}"}}]}}
+  drop: {{backends: [{{cmd: "{fake_cmd()}", proxy: "${{PORT}}"}}]}}
+"""
+AFTER = f"""
+models:
+  keep: {{backends: [{{cmd: "{fake_cmd()}", proxy: "${{PORT}}"}}]}}
+  change: {{backends: [{{cmd: "{fake_cmd("--tokens", "5")}", proxy: "${{PORT}}"}}]}}
+  new: {{aliases: [fresh], backends: [{{cmd: "{fake_cmd()}", proxy: "${{PORT}}"}}]}}
+"""
+
+
+def chat(gw, model: str) -> httpx.Response:
+    body = {"model": model, "messages": [{"role": "user", "content": "hi"}]}
+    return httpx.post(gw.v1 + "/chat/completions", json=body, timeout=60)
+
+
+def config_file(gw) -> Path:
+    return Path(gw.proc.args[gw.proc.args.index("--config") + 1])
+
+
+def dead(pid: int) -> bool:
+    return not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+
+
+def test_P6_reload_keeps_unchanged_restarts_changed_stops_removed_adds_new(gateway_factory):
+    gw = gateway_factory(BEFORE)
+    for model in ("keep", "change", "drop"):
+        assert chat(gw, model).status_code == 200
+    pids = {b: gw.pid_of(f"{b}#0") for b in ("keep", "change", "drop")}
+    config_file(gw).write_text(AFTER)
+    report = gw.api("POST", "config/reload")
+    assert report.status_code == 200, report.text
+    assert report.json() == {
+        "kept": ["keep#0"],
+        "restarted": ["change#0"],
+        "removed": ["drop#0"],
+        "added": ["new#0"],
+    }
+    assert gw.pid_of("keep#0") == pids["keep"]  # still the same process, still serving
+    assert chat(gw, "keep").status_code == 200
+    wait_for(lambda: dead(pids["drop"]) and dead(pids["change"]), 20, what="old ones stopped")
+    assert chat(gw, "drop").status_code == 404
+    changed = chat(gw, "change")
+    assert changed.status_code == 200 and changed.json()["usage"]["completion_tokens"] == 5
+    assert gw.pid_of("change#0") != pids["change"]
+    assert chat(gw, "fresh").status_code == 200  # new, with its alias, at once
+    assert [m["id"] for m in httpx.get(gw.v1 + "/models").json()["data"]] == [
+        "keep",
+        "change",
+        "new",
+    ]
+
+
+def test_P6_a_bad_config_is_refused_with_every_problem_and_the_old_stays(gateway_factory):
+    gw = gateway_factory(BEFORE)
+    assert chat(gw, "keep").status_code == 200
+    config_file(gw).write_text(
+        "models:\n  keep: {backends: [{cmd: x, maxConcurrent: 0}]}\n  other: {bakends: []}\n"
+    )
+    refused = gw.api("POST", "config/reload")
+    assert refused.status_code == 400
+    message = refused.json()["error"]["message"]
+    assert "old one stays in force" in message
+    assert "maxConcurrent" in message and "bakends" in message and "proxy" in message
+    assert chat(gw, "keep").status_code == 200 and chat(gw, "drop").status_code == 200
+
+
+def test_P6_sighup_reloads(gateway_factory):
+    gw = gateway_factory(BEFORE)
+    config_file(gw).write_text(AFTER)
+    gw.proc.send_signal(signal.SIGHUP)
+    wait_for(lambda: chat(gw, "new").status_code == 200, 20, interval=0.2, what="SIGHUP reload")
+    config_file(gw).write_text("models: [not, a, mapping]\n")
+    gw.proc.send_signal(signal.SIGHUP)
+    wait_for(lambda: "config refused" in gw.log(), 20, what="the refusal logged")
+    assert chat(gw, "new").status_code == 200 and gw.proc.poll() is None
