@@ -123,9 +123,7 @@ async def forward(
 ) -> int:
     """Send the request upstream and relay the response; returns the upstream status."""
     try:
-        response = await session.request(
-            scope["method"], url, data=body, headers=headers, allow_redirects=False
-        )
+        response = await _send_request(session, scope["method"], url, body, headers)
     except (aiohttp.ClientError, OSError) as exc:
         raise bad_gateway(
             f"backend '{backend_id}' did not answer at {url}: {exc or type(exc).__name__}. "
@@ -168,6 +166,25 @@ async def forward(
         watch.finishing = True
         await send({"type": "http.response.body", "body": b""})
         return response.status
+
+
+async def _send_request(
+    session: aiohttp.ClientSession,
+    method: str,
+    url: str,
+    body: bytes,
+    headers: list[tuple[str, str]],
+) -> aiohttp.ClientResponse:
+    """Send once, and once more on a fresh connection if a pooled one turned out closed.
+
+    Servers such as llama-server close keep-alive connections after a few requests; the
+    pool only learns it when the next request fails before any answer came back, which
+    is safe to resend.
+    """
+    try:
+        return await session.request(method, url, data=body, headers=headers, allow_redirects=False)
+    except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError):
+        return await session.request(method, url, data=body, headers=headers, allow_redirects=False)
 
 
 def _split_events(data: bytes) -> tuple[bytes, bytes]:
