@@ -50,6 +50,13 @@ def serve(
         Path | None,
         typer.Option(envvar="CORRALLM_DB", help="the SQLite store (default <home>/corrallm.db)"),
     ] = None,
+    web_root: Annotated[
+        Path | None,
+        typer.Option(
+            envvar="CORRALLM_WEB_ROOT",
+            help="serve the dashboard's templates/ and static/ from this folder first",
+        ),
+    ] = None,
     activity_retention: Annotated[
         str,
         typer.Option(envvar="CORRALLM_ACTIVITY_RETENTION", help="how long activity rows are kept"),
@@ -86,10 +93,22 @@ def serve(
         health_timeout=timeout,
         reservation_max_ttl=lease_cap,
         activity_retention=retention,
+        web_root=_web_root(web_root),
         config_path=path,
         db=db.expanduser() if db else None,
     )
     run(cfg, options)
+
+
+def _web_root(folder: Path | None) -> Path | None:
+    if folder is None:
+        return None
+    folder = folder.expanduser()
+    if not (folder / "templates").is_dir() and not (folder / "static").is_dir():
+        raise typer.BadParameter(
+            f"{folder} has neither templates/ nor static/ to serve", param_hint="--web-root"
+        )
+    return folder
 
 
 def _duration(value: str, flag: str) -> float:

@@ -27,6 +27,7 @@ class ServeOptions:
     db: Path | None = None
     reservation_max_ttl: float = 300.0
     activity_retention: float = 30 * 86400.0
+    web_root: Path | None = None
 
 
 def parse_addr(addr: str) -> tuple[str, int]:
@@ -63,7 +64,7 @@ def run(config: Config, options: ServeOptions) -> None:
     )
     server = uvicorn.Server(
         uvicorn.Config(
-            CorrallmApp(gateway, token),
+            CorrallmApp(gateway, token, options.web_root),
             host=host,
             port=port,
             loop="uvloop",

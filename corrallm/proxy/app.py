@@ -11,6 +11,7 @@ import itertools
 import logging
 import signal
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 
 import orjson
 
@@ -46,14 +47,14 @@ METRICS_CONTENT_TYPE = CONTENT_TYPE.encode()
 
 
 class CorrallmApp:
-    def __init__(self, gateway: Gateway, admin_token: str) -> None:
+    def __init__(self, gateway: Gateway, admin_token: str, web_root: Path | None = None) -> None:
         self.gateway = gateway
         self._admin_token = admin_token
         self._ids = itertools.count(1)
         self._models_body = (gateway.version, self._models_list())
         self._management: ASGIApp = build_rest(gateway)
         self._graphql: ASGIApp = build_graphql(gateway)
-        self.dashboard = Dashboard(gateway, admin_token)
+        self.dashboard = Dashboard(gateway, admin_token, web_root)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         kind = scope["type"]

@@ -45,19 +45,28 @@ def is_dashboard_path(path: str) -> bool:
 
 
 class Dashboard:
-    def __init__(self, gateway: Gateway, admin_token: str) -> None:
+    def __init__(self, gateway: Gateway, admin_token: str, web_root: Path | None = None) -> None:
+        """`web_root` (`--web-root`): a folder with `templates/` and `static/` whose files
+        are served instead of the packaged ones of the same name."""
         self.gw = gateway
         self._token = admin_token
         self.economics = Economics(gateway)
+        folders = [HERE] if web_root is None else [web_root, HERE]
         self.env = jinja2.Environment(
-            loader=jinja2.FileSystemLoader(HERE / "templates"),
+            loader=jinja2.FileSystemLoader([str(f / "templates") for f in folders]),
             autoescape=True,
             trim_blocks=True,
             lstrip_blocks=True,
             undefined=jinja2.StrictUndefined,
         )
         self.env.filters.update(size=size, duration=duration, when=when, pct=pct)
-        self._static = {p.name: p.read_bytes() for p in STATIC.iterdir() if p.is_file()}
+        self._static = {}
+        for folder in reversed(folders):  # the web root's files win
+            static = folder / "static"
+            if static.is_dir():
+                self._static.update(
+                    {p.name: p.read_bytes() for p in static.iterdir() if p.is_file()}
+                )
 
     async def start(self) -> None:
         await self.economics.start()

@@ -94,3 +94,25 @@ def test_serve_refuses_bad_durations_naming_the_flag(flag, value):
     )
     assert result.returncode == 2
     assert flag in result.stderr
+
+
+def test_serve_web_root_serves_the_dashboard_files_from_a_folder_first(gateway_factory, tmp_path):
+    import httpx
+
+    root = tmp_path / "site"
+    (root / "static").mkdir(parents=True)
+    (root / "static" / "dashboard.css").write_text("/* operator's own look */")
+    gw = gateway_factory(
+        "models: {m: {backends: [{proxy: 1}]}}", env={"CORRALLM_WEB_ROOT": str(root)}
+    )
+    css = httpx.get(gw.url + "/ui/static/dashboard.css")
+    assert css.status_code == 200 and css.text == "/* operator's own look */"
+    js = httpx.get(gw.url + "/ui/static/dashboard.js")  # not overridden: the packaged one
+    assert js.status_code == 200 and "EventSource" in js.text
+    missing = subprocess.run(
+        [sys.executable, "-m", "corrallm", "serve", "--web-root", str(tmp_path / "nothing")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert missing.returncode == 2 and "--web-root" in missing.stderr
