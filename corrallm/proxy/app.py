@@ -20,7 +20,7 @@ from corrallm.api.graphql import build_graphql
 from corrallm.api.rest import build_rest
 from corrallm.gateway import Gateway
 from corrallm.metrics import CONTENT_TYPE
-from corrallm.proxy import inference, reservations
+from corrallm.proxy import audio, inference, reservations
 from corrallm.proxy.asgi import (
     ASGIApp,
     BodyTooLarge,
@@ -40,8 +40,16 @@ log = logging.getLogger("corrallm.proxy")
 Handler = Callable[[Gateway, Scope, Receive, Send, bytes], Awaitable[None]]
 
 INFERENCE_PATHS = frozenset(
-    {"/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/rerank", "/rerank"}
+    {
+        "/v1/chat/completions",
+        "/v1/completions",
+        "/v1/embeddings",
+        "/v1/rerank",
+        "/rerank",
+        "/v1/audio/speech",
+    }
 )
+UPLOAD_PATHS = frozenset({"/v1/audio/transcriptions", "/v1/audio/translations"})
 _HEALTH = orjson.dumps({"status": "ok"})
 METRICS_CONTENT_TYPE = CONTENT_TYPE.encode()
 
@@ -70,6 +78,12 @@ class CorrallmApp:
             if path in INFERENCE_PATHS:
                 _require(method, "POST", path)
                 await self._with_body(inference.serve, scope, receive, send)
+            elif path in UPLOAD_PATHS:
+                _require(method, "POST", path)
+                await self._with_body(audio.transcribe, scope, receive, send)
+            elif path == "/v1/capabilities":
+                _require(method, "GET", path)
+                await audio.send_capabilities(self.gateway, scope, send)
             elif path == "/v1/reservations":
                 await self._with_body(reservations.handle, scope, receive, send)
             elif path.startswith("/upstream/"):
@@ -92,8 +106,8 @@ class CorrallmApp:
             else:
                 raise not_found(
                     f"No endpoint {method} {path}. corrallm serves POST "
-                    + ", ".join(sorted(INFERENCE_PATHS))
-                    + ", GET /v1/models and /upstream/<model>/<path>."
+                    + ", ".join(sorted(INFERENCE_PATHS | UPLOAD_PATHS))
+                    + ", GET /v1/models, GET /v1/capabilities and /upstream/<model>/<path>."
                 )
         except ApiError as exc:
             await exc.send(send)
@@ -153,6 +167,9 @@ class CorrallmApp:
                 "created": self.gateway.started_at,
                 "owned_by": "corrallm",
                 "aliases": list(served.config.aliases),
+                "modality": "audio"
+                if self.gateway.ledger.costs.audio(served.primary.config)
+                else "text",
             }
             for served in self.gateway.served
             if not served.config.unlisted

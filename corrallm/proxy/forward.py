@@ -136,7 +136,7 @@ async def forward(
         # Whole events: so that a preemption cuts at a boundary, and metering sees each one.
         whole_events = sse and (meter is not None or (stream is not None and stream.preemptible))
         if meter is not None:
-            meter.start(response.status, sse)
+            meter.start(response.status, sse, response.content_type == "application/json")
         if stream is not None:
             stream.started = True
             stream.shielded = not sse

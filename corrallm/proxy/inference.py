@@ -29,6 +29,23 @@ log = logging.getLogger("corrallm.proxy")
 _TOKEN_LIMITS = ("max_tokens", "max_completion_tokens")
 
 
+# Surfaces an STT model's `modes` gate (SPEC §12 U3); empty modes offer both.
+SURFACE_MODE = {
+    "/v1/audio/transcriptions": "batch",
+    "/v1/audio/translations": "batch",
+    "/v1/realtime": "realtime",
+}
+
+
+def modes_of(served: ServedModel) -> list[str]:
+    modes = {m for r in served.routes for m in r.config.modes}
+    return sorted(modes) or ["batch", "realtime"]
+
+
+def offered(served: ServedModel, mode: str) -> bool:
+    return mode in modes_of(served)
+
+
 def caller_key(scope: Scope) -> str | None:
     """The caller's API key: `Authorization: Bearer <key>` or `X-Corrallm-Key: <key>`."""
     raw = header(scope, b"x-corrallm-key")
@@ -90,7 +107,22 @@ def upstream_body(body: bytes, payload: dict[str, Any], route: Route, force: boo
 
 
 async def serve(gateway: Gateway, scope: Scope, receive: Receive, send: Send, body: bytes) -> None:
+    """A JSON request: chat, completions, embeddings, rerank, speech."""
     payload, model = parse_request(body)
+    await serve_parsed(gateway, scope, receive, send, body, payload, model)
+
+
+async def serve_parsed(
+    gateway: Gateway,
+    scope: Scope,
+    receive: Receive,
+    send: Send,
+    body: bytes,
+    payload: dict[str, Any],
+    model: str,
+) -> None:
+    """Admit, forward and meter one request whose model is known. A non-JSON body (an
+    audio upload) has only `model` in `payload` and is forwarded byte for byte."""
     caller = gateway.caller(caller_key(scope))
     visit = Visit(
         caller.key if caller.known else None, caller.group_name, model, scope["path"], len(body)
@@ -119,6 +151,13 @@ async def _serve(
 ) -> None:
     served = lookup(gateway, visit.model)
     visit.model = served.name
+    surface = SURFACE_MODE.get(scope["path"])
+    if surface is not None and not offered(served, surface):
+        raise not_found(
+            f"The model '{served.name}' is not offered on {scope['path']}: its modes are "
+            f"{', '.join(modes_of(served))}. GET /v1/capabilities lists each surface's models.",
+            code="model_not_found",
+        )
     if gateway.pauses.paused("model", served.name):
         raise model_paused(served.name)
     if not caller.known and gateway.config.scheduler.require_keys:

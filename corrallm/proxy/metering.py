@@ -44,9 +44,11 @@ class Meter:
     events: int = 0
     usage: dict[str, Any] | None = None
     _body: bytearray = field(default_factory=bytearray)
+    _keep_body: bool = True
 
-    def start(self, status: int, sse: bool) -> None:
+    def start(self, status: int, sse: bool, json: bool = True) -> None:
         self.status, self.sse = status, sse
+        self._keep_body = json  # only a JSON answer can carry usage; audio is just counted
 
     def chunk(self, data: bytes) -> bytes:
         """Every piece of the answer passes here on its way out (whole events for SSE)."""
@@ -59,7 +61,7 @@ class Meter:
             if self.strip_usage and b'"usage":' in data:
                 # With include_usage every chunk carries `"usage": null`: not for this client.
                 data = data.replace(b',"usage":null', b"").replace(b', "usage": null', b"")
-        elif len(self._body) < MAX_METERED_BODY:
+        elif self._keep_body and len(self._body) < MAX_METERED_BODY:
             self._body += data
         self.bytes_out += len(data)
         return data
