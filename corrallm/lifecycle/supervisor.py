@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import socket
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -18,6 +17,7 @@ from pathlib import Path
 
 from corrallm.config.schema import PORT_PLACEHOLDER, ProcessSpec
 from corrallm.lifecycle import process, supervision
+from corrallm.lifecycle.addresses import free_port, port_of, resolve_url
 from corrallm.lifecycle.logs import LogBuffer
 from corrallm.lifecycle.pidrecords import PidRecord, PidRecords, file_name
 from corrallm.lifecycle.state import BUSY, State, check_transition
@@ -57,19 +57,6 @@ class Backoff:
 
     def delay(self, failures: int) -> float:
         return min(self.cap, self.base * 2 ** max(0, failures - 1))
-
-
-def resolve_url(proxy: str, port: int | None) -> str:
-    if proxy.startswith(("http://", "https://")):
-        return proxy.rstrip("/")
-    return f"http://127.0.0.1:{port if proxy == PORT_PLACEHOLDER else int(proxy)}"
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
 
 
 @dataclass
@@ -255,7 +242,7 @@ class Supervisor:
     async def _spawn_and_wait(self) -> None:
         assert self.spec.proxy is not None
         proxy = self.spec.proxy
-        self.port = free_port() if PORT_PLACEHOLDER in proxy else _port_of(proxy)
+        self.port = free_port() if PORT_PLACEHOLDER in proxy else port_of(proxy)
         self.base_url = resolve_url(proxy, self.port)
         cmd = self.spec.cmd.replace(PORT_PLACEHOLDER, str(self.port)) if self.spec.cmd else None
         env = {k: v.replace(PORT_PLACEHOLDER, str(self.port)) for k, v in self.spec.env.items()}
@@ -424,9 +411,3 @@ def _retrieve(task: asyncio.Task[None]) -> None:
     """A start nobody waits on any more must not warn that its error was never retrieved."""
     if not task.cancelled():
         task.exception()
-
-
-def _port_of(proxy: str) -> int | None:
-    if proxy.startswith(("http://", "https://")):
-        return None
-    return int(proxy)
