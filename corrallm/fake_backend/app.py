@@ -17,6 +17,7 @@ import orjson
 from corrallm.fake_backend import responses as r
 from corrallm.fake_backend.exchange import Exchange, Receive, Scope, Send
 from corrallm.fake_backend.options import Options
+from corrallm.fake_backend.realtime import realtime
 
 Handler = Callable[[Exchange], Awaitable[None]]
 HEALTH_PATHS = frozenset({"/health", "/healthz", "/v1/health"})
@@ -70,6 +71,9 @@ class FakeBackend:
     # --- dispatch ----------------------------------------------------------------------------
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "websocket" and scope["path"] == "/v1/realtime":
+            await realtime(scope, receive, send)
+            return
         if scope["type"] != "http":
             return
         path: str = scope["path"]

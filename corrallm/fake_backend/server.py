@@ -125,7 +125,7 @@ async def _serve(opts: Options, sock: socket.socket, ready_at: float, exit_code:
     config = uvicorn.Config(
         app,
         http="httptools",
-        ws="none",
+        ws="websockets",
         lifespan="off",
         interface="asgi3",
         access_log=False,

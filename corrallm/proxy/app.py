@@ -20,7 +20,7 @@ from corrallm.api.graphql import build_graphql
 from corrallm.api.rest import build_rest
 from corrallm.gateway import Gateway
 from corrallm.metrics import CONTENT_TYPE
-from corrallm.proxy import audio, inference, reservations
+from corrallm.proxy import audio, inference, realtime, reservations
 from corrallm.proxy.asgi import (
     ASGIApp,
     BodyTooLarge,
@@ -68,6 +68,12 @@ class CorrallmApp:
         kind = scope["type"]
         if kind == "http":
             await self._http(scope, receive, send)
+        elif kind == "websocket":
+            if scope["path"] == "/v1/realtime":
+                await realtime.relay(self.gateway, scope, receive, send)
+            else:
+                await receive()
+                await send({"type": "websocket.close", "code": 1008})
         elif kind == "lifespan":
             await self._lifespan(receive, send)
 

@@ -73,6 +73,8 @@ def capabilities(gateway: Gateway, base_url: str) -> dict[str, Any]:
     audio = [s for s in gateway.served if gateway.ledger.costs.audio(s.primary.config)]
     speech = [s.name for s in audio if speaks(s)]
     batch = [s.name for s in audio if not speaks(s) and offered(s, "batch")]
+    realtime = [s.name for s in audio if not speaks(s) and offered(s, "realtime")]
+    ws = base_url.replace("http://", "ws://").replace("https://", "wss://")
     example_text = text[0] if text else "MODEL"
     example_stt = batch[0] if batch else "STT_MODEL"
 
@@ -109,6 +111,16 @@ def capabilities(gateway: Gateway, base_url: str) -> dict[str, Any]:
             "models": speech,
             "example": curl("/v1/audio/speech", '{"model": "TTS_MODEL", "input": "Hello"}')
             + " -o speech.wav",
+        },
+        {
+            "method": "GET",
+            "path": "/v1/realtime",
+            "websocket": True,
+            "models": realtime,
+            "example": f"websocat '{ws}/v1/realtime?model="
+            f"{realtime[0] if realtime else 'STT_MODEL'}' (then send "
+            '{"type": "input_audio_buffer.append", "audio": "<base64 PCM16>"} and '
+            '{"type": "input_audio_buffer.commit"})',
         },
         {"method": "GET", "path": "/v1/models", "models": [s.name for s in gateway.served]},
     ]

@@ -5,6 +5,7 @@ byte, speech streamed back, modes gating, metering by bytes, capabilities."""
 from __future__ import annotations
 
 import sqlite3
+from collections.abc import Iterator
 
 import httpx
 import openai
@@ -39,8 +40,9 @@ def gw(gateway_factory):
 
 
 @pytest.fixture
-def client(gw) -> openai.OpenAI:
-    return openai.OpenAI(base_url=gw.v1, api_key="k", max_retries=0, timeout=30)
+def client(gw) -> Iterator[openai.OpenAI]:
+    with openai.OpenAI(base_url=gw.v1, api_key="k", max_retries=0, timeout=30) as sdk:
+        yield sdk
 
 
 def test_U2_transcription_upload_is_held_through_a_cold_start_and_forwarded_whole(gw, client):
@@ -98,4 +100,8 @@ def test_U5_capabilities_list_endpoints_models_examples_and_the_diarized_shape(g
     assert by_path["/v1/chat/completions"]["models"] == ["chat"]
     assert by_path["/v1/audio/speech"]["models"] == ["voice"]
     assert caps["modes"] == {"ears": ["batch"], "live-ears": ["realtime"]}
+    assert (
+        by_path["/v1/realtime"]["models"] == ["live-ears"] and by_path["/v1/realtime"]["websocket"]
+    )
+    assert "ws://" in by_path["/v1/realtime"]["example"]
     assert set(caps["diarized_response_shape"]) == {"text", "segments", "num_speakers"}

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import openai
@@ -32,9 +33,10 @@ models:
 
 
 @pytest.fixture
-def client(gateway_factory) -> openai.OpenAI:
+def client(gateway_factory) -> Iterator[openai.OpenAI]:
     gw = gateway_factory(CONFIG)
-    return openai.OpenAI(base_url=gw.v1, api_key="my-coder", max_retries=0, timeout=30)
+    with openai.OpenAI(base_url=gw.v1, api_key="my-coder", max_retries=0, timeout=30) as sdk:
+        yield sdk
 
 
 def test_chat_completion_through_the_sdk(client):
@@ -98,11 +100,11 @@ def test_serve_without_a_config_runs_the_packaged_demo(tmp_path: Path):
     gw = Gateway(proc, f"http://127.0.0.1:{port}", tmp_path / "home", log)
     try:
         wait_healthy(gw)
-        client = openai.OpenAI(base_url=gw.v1, api_key="none", max_retries=0, timeout=30)
-        assert "demo-chat" in [m.id for m in client.models.list()]
-        reply = client.chat.completions.create(
-            model="chat", messages=[{"role": "user", "content": "hello"}]
-        )
+        with openai.OpenAI(base_url=gw.v1, api_key="none", max_retries=0, timeout=30) as client:
+            assert "demo-chat" in [m.id for m in client.models.list()]
+            reply = client.chat.completions.create(
+                model="chat", messages=[{"role": "user", "content": "hello"}]
+            )
         assert reply.choices[0].message.content
         assert "packaged demo" in gw.log()
     finally:

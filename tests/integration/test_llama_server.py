@@ -152,6 +152,7 @@ def test_chat_and_streaming_through_the_openai_sdk(
         )
     )
     assert plain and all(c.usage is None for c in plain)
+    client.close()  # no pooled socket outlives the test
 
 
 # --- C2: usage from the backend's own count --------------------------------------------------

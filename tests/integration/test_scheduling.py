@@ -160,6 +160,7 @@ def test_S4_a_streaming_victim_ends_at_an_event_boundary_with_preempted(gateway_
     assert streaming.wait(10)
     taker = post(gw, "ikey", max_tokens=2)
     victim.join(30)
+    client.close()
     assert taker.status_code == 200
     assert len(errors) == 1 and "Preempted" in errors[0].message  # surfaced by the SDK
     assert 0 < len(chunks) < 60
