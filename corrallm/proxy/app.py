@@ -33,6 +33,7 @@ from corrallm.proxy.asgi import (
     send_bytes,
 )
 from corrallm.proxy.errors import ApiError, internal, not_found
+from corrallm.proxy.inference import UPLOAD_PATHS
 from corrallm.ui.app import Dashboard, is_dashboard_path
 
 log = logging.getLogger("corrallm.proxy")
@@ -49,7 +50,6 @@ INFERENCE_PATHS = frozenset(
         "/v1/audio/speech",
     }
 )
-UPLOAD_PATHS = frozenset({"/v1/audio/transcriptions", "/v1/audio/translations"})
 _HEALTH = orjson.dumps({"status": "ok"})
 METRICS_CONTENT_TYPE = CONTENT_TYPE.encode()
 

@@ -29,6 +29,9 @@ log = logging.getLogger("corrallm.proxy")
 _TOKEN_LIMITS = ("max_tokens", "max_completion_tokens")
 
 
+# Uploads (multipart): forwarded byte for byte, boundary and all.
+UPLOAD_PATHS = frozenset({"/v1/audio/transcriptions", "/v1/audio/translations"})
+
 # Surfaces an STT model's `modes` gate (SPEC §12 U3); empty modes offer both.
 SURFACE_MODE = {
     "/v1/audio/transcriptions": "batch",
@@ -239,7 +242,10 @@ async def _forward_admitted(
     extra = [(b"x-corrallm-backend", route.id.encode())]
     if served.degraded(route):
         extra.append((b"x-corrallm-degraded", b"true"))
-    data = upstream_body(body, payload, route, force=meter.strip_usage)
+    if scope["path"] in UPLOAD_PATHS:
+        data = body  # no model rename or token clamp inside a multipart upload
+    else:
+        data = upstream_body(body, payload, route, force=meter.strip_usage)
     await _enter_ready(route, cause)
     try:
         return await forward(

@@ -23,7 +23,7 @@ commandCosts:
 models:
   ears:
     backends:
-      - {{cmd: "{COLD}", proxy: "${{PORT}}", type: stt, modes: [batch]}}
+      - {{cmd: "{COLD}", proxy: "${{PORT}}", type: stt, modes: [batch], model: whisper-up}}
   live-ears:
     backends: [{{cmd: "{fake_cmd()}", proxy: "${{PORT}}", type: stt, modes: [realtime]}}]
   voice:
@@ -57,6 +57,7 @@ def test_U2_transcription_upload_is_held_through_a_cold_start_and_forwarded_whol
     headers = {k.lower(): v for k, v in upload["headers"].items()}
     assert headers["content-type"].startswith("multipart/form-data; boundary=")
     assert "authorization" not in headers  # the caller's key stays with corrallm
+    assert upload["body"] is None  # still the multipart upload, not re-encoded as JSON
 
 
 def test_U2_speech_is_streamed_back_as_audio(client):
