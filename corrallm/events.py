@@ -42,7 +42,6 @@ class EventBus:
     def __init__(self) -> None:
         self._subscribers: set[Subscription] = set()
         self._ids = itertools.count(1)
-        self.published = 0
 
     @property
     def subscribers(self) -> int:
@@ -51,7 +50,6 @@ class EventBus:
     def publish(self, kind: str, data: dict[str, Any]) -> None:
         if not self._subscribers:
             return
-        self.published += 1
         payload = {"t": time.time(), **data}
         frame = (
             f"id: {next(self._ids)}\nevent: {kind}\ndata: ".encode()

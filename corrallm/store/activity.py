@@ -57,7 +57,6 @@ class ActivityLog:
         self.store = store
         self.flush_seconds = flush_seconds
         self._pending: list[Activity] = []
-        self.written = 0
 
     def record(self, row: Activity) -> None:
         self._pending.append(row)
@@ -81,4 +80,3 @@ class ActivityLog:
         except Exception:
             self._pending[:0] = rows  # nothing is lost: they go first next time
             raise
-        self.written += len(rows)

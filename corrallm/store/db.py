@@ -189,10 +189,6 @@ class Store:
             self._db = None
         self._thread.shutdown(wait=True)
 
-    @property
-    def version(self) -> int:
-        return len(MIGRATIONS)
-
     async def execute(self, sql: str, args: Sequence[Any] = ()) -> None:
         def run() -> None:
             with self._conn:
