@@ -5,6 +5,7 @@ shapes."""
 
 from __future__ import annotations
 
+import math
 import time
 from datetime import UTC, datetime
 from typing import Any
@@ -52,8 +53,14 @@ def extension(gw: Gateway, name: str) -> Supervisor:
     return sup
 
 
+# The latest `until` a pause takes: beyond it, "until unpaused" (no `until`) is what is meant,
+# and datetimes past year 9999 cannot be written back as RFC 3339.
+LATEST_UNTIL = datetime(9000, 1, 1, tzinfo=UTC).timestamp()
+
+
 def parse_until(value: str | float | None) -> float | None:
-    """`until`: an RFC 3339 time, or a duration from now (`30m`, `2h`); None: until unpaused."""
+    """`until`: an RFC 3339 time, a duration from now (`30m`, `2h`), or Unix seconds;
+    None: until unpaused."""
     if value is None:
         return None
     now = time.time()
@@ -62,7 +69,7 @@ def parse_until(value: str | float | None) -> float | None:
     else:
         try:
             until = datetime.fromisoformat(value.replace("Z", "+00:00")).timestamp()
-        except ValueError:
+        except (ValueError, OverflowError):
             try:
                 until = now + parse_duration(value)
             except ValueError:
@@ -72,8 +79,16 @@ def parse_until(value: str | float | None) -> float | None:
                     f"from now (30m, 2h), got {value!r}.",
                     "invalid_until",
                 ) from None
-    if until <= now:
-        raise ServiceError(400, f"'until' ({rfc3339(until)}) is in the past.", "invalid_until")
+    if not until > now:  # also refuses NaN
+        shown = rfc3339(until) if math.isfinite(until) and until >= 0 else repr(value)
+        raise ServiceError(400, f"'until' ({shown}) is in the past.", "invalid_until")
+    if until > LATEST_UNTIL:
+        raise ServiceError(
+            400,
+            f"'until' ({value!r}) is too far in the future (latest: year 9000); "
+            "leave 'until' out to pause until unpaused.",
+            "invalid_until",
+        )
     return until
 
 
