@@ -27,6 +27,19 @@ INDEX_HTML = (
     b"<body><h1>corrallm fake backend</h1><p>An OpenAI-compatible test server.</p></body></html>"
 )
 _FORM_FIELD = re.compile(rb'name="([A-Za-z_]+)"\r\n\r\n([^\r]*)\r\n')
+# SPEC §12 U4's shape, fixed so that tests and the dashboard's playground can assert on it.
+_TURNS = [
+    ("SPEAKER_00", 0.0, 1.2, "Hello from the first speaker."),
+    ("SPEAKER_01", 1.2, 3.4, "And this is the second one."),
+    ("SPEAKER_00", 3.4, 5.0, "Back to the first speaker."),
+]
+DIARIZED = orjson.dumps(
+    {
+        "text": " ".join(turn[3] for turn in _TURNS),
+        "segments": [{"speaker": w, "start": a, "end": b, "text": t} for w, a, b, t in _TURNS],
+        "num_speakers": 2,
+    }
+)
 
 
 class BadRequest(Exception):
@@ -282,6 +295,8 @@ class FakeBackend:
             return
         if fields.get("response_format") == "text":
             await ex.respond(200, text.encode(), b"text/plain; charset=utf-8")
+        elif fields.get("response_format") == "diarized_json":
+            await ex.respond(200, DIARIZED)
         else:
             await ex.respond(200, orjson.dumps({"text": text}))
 

@@ -60,6 +60,21 @@ def speaks(served: ServedModel) -> bool:
     return "tts" in kind or "speech" in kind
 
 
+def batch_stt(gateway: Gateway) -> list[ServedModel]:
+    """The speech-to-text models that take uploads: audio, not TTS, offered in mode batch."""
+    return [
+        s
+        for s in gateway.served
+        if gateway.ledger.costs.audio(s.primary.config) and not speaks(s) and offered(s, "batch")
+    ]
+
+
+def diarizes(served: ServedModel) -> bool:
+    """Whether the model answers with speaker segments. Every backend must say so: a
+    fall-through to one that does not would silently drop the speakers a client relies on."""
+    return all(r.config.diarization for r in served.routes)
+
+
 DIARIZED_SHAPE = {
     "text": "full transcript",
     "segments": [{"speaker": "SPEAKER_00", "start": 0.0, "end": 1.5, "text": "..."}],
@@ -72,7 +87,8 @@ def capabilities(gateway: Gateway, base_url: str) -> dict[str, Any]:
     text = [s.name for s in gateway.served if not gateway.ledger.costs.audio(s.primary.config)]
     audio = [s for s in gateway.served if gateway.ledger.costs.audio(s.primary.config)]
     speech = [s.name for s in audio if speaks(s)]
-    batch = [s.name for s in audio if not speaks(s) and offered(s, "batch")]
+    batch_models = batch_stt(gateway)
+    batch = [s.name for s in batch_models]
     realtime = [s.name for s in audio if not speaks(s) and offered(s, "realtime")]
     ws = base_url.replace("http://", "ws://").replace("https://", "wss://")
     example_text = text[0] if text else "MODEL"
@@ -127,6 +143,8 @@ def capabilities(gateway: Gateway, base_url: str) -> dict[str, Any]:
     return {
         "endpoints": endpoints,
         "modes": {s.name: modes_of(s) for s in audio if not speaks(s)},
+        # The `diarization` key of their backends: these answer in the shape below.
+        "diarizing_models": [s.name for s in batch_models if diarizes(s)],
         "diarized_response_shape": DIARIZED_SHAPE,
     }
 

@@ -8,9 +8,21 @@ from typing import Any
 
 from corrallm.api import service, usage
 from corrallm.gateway import Gateway
+from corrallm.proxy import audio
 from corrallm.ui.economics import Economics
 
-SECTIONS = ("overview", "residency", "lanes", "usage", "logs", "economics", "definitions")
+SECTIONS = (
+    "overview",
+    "residency",
+    "lanes",
+    "usage",
+    "logs",
+    "economics",
+    "playground",
+    "definitions",
+)
+# The playground's choices of `response_format`; diarized_json asks for speaker segments.
+FORMATS = ("json", "verbose_json", "diarized_json", "text", "srt", "vtt")
 # Usage ranges: (how far back, bucket length).
 RANGES = {"hour": ("1h", "5m"), "day": ("24h", "1h"), "week": ("7d", "6h")}
 
@@ -30,6 +42,8 @@ async def section(
         return logs(gw, params.get("model"))
     if name == "economics":
         return economics.view()
+    if name == "playground":
+        return playground(gw)
     return definitions(gw)
 
 
@@ -133,6 +147,16 @@ def logs(gw: Gateway, model: str | None) -> dict[str, Any]:
     data = service.model_logs(gw, chosen, 200) if chosen else {"lines": []}
     backend = gw.models[chosen].primary.endpoint.id if chosen else None
     return {"models": names, "model": chosen, "backend": backend, **data}
+
+
+def playground(gw: Gateway) -> dict[str, Any]:
+    models = [{"name": s.name, "diarizes": audio.diarizes(s)} for s in audio.batch_stt(gw)]
+    return {
+        "models": models,
+        "formats": FORMATS,
+        "format": "diarized_json" if models and models[0]["diarizes"] else "json",
+        "needs_key": gw.config.scheduler.require_keys,
+    }
 
 
 def definitions(gw: Gateway) -> dict[str, Any]:

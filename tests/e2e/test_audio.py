@@ -23,7 +23,8 @@ commandCosts:
 models:
   ears:
     backends:
-      - {{cmd: "{COLD}", proxy: "${{PORT}}", type: stt, modes: [batch], model: whisper-up}}
+      - {{cmd: "{COLD}", proxy: "${{PORT}}", type: stt, modes: [batch], model: whisper-up,
+         diarization: true}}
   live-ears:
     backends: [{{cmd: "{fake_cmd()}", proxy: "${{PORT}}", type: stt, modes: [realtime]}}]
   voice:
@@ -106,3 +107,4 @@ def test_U5_capabilities_list_endpoints_models_examples_and_the_diarized_shape(g
     )
     assert "ws://" in by_path["/v1/realtime"]["example"]
     assert set(caps["diarized_response_shape"]) == {"text", "segments", "num_speakers"}
+    assert caps["diarizing_models"] == ["ears"]  # the `diarization` key is not ignored

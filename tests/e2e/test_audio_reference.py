@@ -137,7 +137,9 @@ def test_U4_two_voices_are_diarized_into_two_speakers(client):
     print("diarized:", turns, "num_speakers:", result.model_extra.get("num_speakers"))
     assert [speaker for speaker, _ in turns] == ["SPEAKER_00", "SPEAKER_01", "SPEAKER_00"]
     assert result.model_extra["num_speakers"] == 2
-    wer = word_error_rate([(text, heard) for (_, text), (_, heard) in zip(lines, turns)])
+    wer = word_error_rate(
+        [(text, heard) for (_, text), (_, heard) in zip(lines, turns, strict=True)]
+    )
     print(f"diarized word error rate: {wer:.3f}")
     assert wer <= MAX_WER
 

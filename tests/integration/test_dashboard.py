@@ -7,6 +7,7 @@ and sleeps into the store.
 
 from __future__ import annotations
 
+import re
 import sqlite3
 
 import httpx
@@ -105,10 +106,13 @@ def test_D1_page_is_self_contained_and_serves_its_own_assets(gw, signed_in):
     html = page.text
     for name in ("overview", "residency", "lanes", "usage", "logs", "economics", "definitions"):
         assert f'<section id="{name}"' in html
+    assert '<section id="playground"' in html
     assert "http://" not in html and "https://" not in html  # no external requests
     assert "default-src 'self'" in page.headers["content-security-policy"]
     js = client.get("/ui/static/dashboard.js")
     assert js.status_code == 200 and "EventSource" in js.text
+    assert '<script src="/ui/static/playground.js">' in html
+    assert ".innerHTML" not in client.get("/ui/static/playground.js").text  # answers are text
     css = client.get("/ui/static/dashboard.css")
     assert "prefers-color-scheme: dark" in css.text
     assert "http" not in css.text  # no web fonts or remote images
@@ -236,3 +240,55 @@ def test_D1_economics_counters_survive_a_restart(gateway_factory, tmp_path, sign
     html = section(signed_in(second), "economics")
     row = html.split('data-econ="beta')[1].split("</tr>")[0]
     assert 'data-field="wakes">1<' in row and 'data-field="sleeps">1<' in row
+
+
+AUDIO_CONFIG = f"""
+commandCosts:
+  chat: {{generateWattsPerToken: 0.001}}
+  stt: {{modality: audio, processWattsPerByte: 0.001}}
+  tts: {{modality: audio, generateWattsPerByte: 0.0001}}
+models:
+  diarist:
+    backends:
+      - {{cmd: "{fake_cmd()}", proxy: "${{PORT}}", type: stt, modes: [batch], diarization: true}}
+  ears:
+    backends: [{{cmd: "{fake_cmd()}", proxy: "${{PORT}}", type: stt}}]
+  half-diarist:
+    backends:
+      - {{cmd: "{fake_cmd()}", proxy: "${{PORT}}", type: stt, diarization: true}}
+      - {{cmd: "{fake_cmd()}", proxy: "${{PORT}}", type: stt, quality: 50}}
+  live-ears:
+    backends: [{{cmd: "{fake_cmd()}", proxy: "${{PORT}}", type: stt, modes: [realtime]}}]
+  voice:
+    backends: [{{cmd: "{fake_cmd()}", proxy: "${{PORT}}", type: tts}}]
+  chat:
+    backends: [{{cmd: "{fake_cmd()}", proxy: "${{PORT}}", type: chat}}]
+"""
+
+
+def test_D1_U4_playground_lists_batch_stt_models_and_marks_the_diarizing_ones(
+    gateway_factory, signed_in
+):
+    gw = gateway_factory(AUDIO_CONFIG)
+    html = section(signed_in(gw), "playground")
+    options = dict(re.findall(r'<option value="([^"]+)" data-diarizes="(true|false)"', html))
+    # Uploads only: not the realtime-only model, the TTS voice or the chat model.
+    assert options == {
+        "diarist": "true",
+        "ears": "false",
+        # A fall-through to its second backend would drop the speakers: not marked.
+        "half-diarist": "false",
+    }
+    assert "diarist · diarizes<" in html and "ears · diarizes" not in html
+    # The first model diarizes, so the form asks for the diarized shape by default.
+    assert '<option value="diarized_json" selected>' in html
+    assert 'name="response_format"' in html and 'name="file"' in html
+    key_field = html.split('id="pg-key"')[1].split(">")[0]
+    assert "name=" not in key_field  # never posted in the body, only as a header
+    caps = httpx.get(gw.v1 + "/capabilities", timeout=10).json()
+    assert caps["diarizing_models"] == ["diarist"]  # the same rule as the playground's
+
+
+def test_D1_playground_says_when_no_model_takes_uploads(gw, signed_in):
+    html = section(signed_in(gw), "playground")
+    assert "No speech-to-text model takes uploads" in html and "<form" not in html

@@ -18,6 +18,12 @@
     if (response.status === 401) { location.href = "/signin"; return; }
     if (!response.ok) return;
     const html = await response.text();
+    // A section holding what the user is doing (the playground's form and answer) takes
+    // the new fragment itself and keeps its state; replacing its body would wipe both.
+    if ("stateful" in section.dataset) {
+      section.dispatchEvent(new CustomEvent("fragment", { detail: html }));
+      return;
+    }
     const body = section.querySelector(".body");
     const focused = document.activeElement && body.contains(document.activeElement)
       ? document.activeElement.id : null;
@@ -50,7 +56,7 @@
   events.onerror = () => { live.dataset.state = "down"; live.textContent = "reconnecting…"; };
   const on = (kind, fn) => events.addEventListener(kind, (e) => fn(JSON.parse(e.data)));
 
-  on("lifecycle", () => schedule("overview", "residency", "economics", "logs"));
+  on("lifecycle", () => schedule("overview", "residency", "economics", "logs", "playground"));
   on("usage", () => schedule("usage", "lanes"));
   on("reservation", () => schedule("lanes"));
   on("queue_depth", () => schedule("usage"));
