@@ -20,7 +20,7 @@ from typing import Any
 
 import uvicorn
 from diarize import cluster, voice
-from openai_shapes import ApiError, api_error, arguments, models_response, on_start
+from openai_shapes import ApiError, arguments, service
 from realtime_session import RealtimeSession
 from speech import VOCABULARIES, Audio, AudioError, Recognizer, read_wav, speech_segments
 from starlette.applications import Starlette
@@ -72,7 +72,7 @@ class Transcriber:
 
 
 async def transcribe(request: Request) -> Response:
-    t: Transcriber = request.app.state.transcriber
+    t: Transcriber = request.app.state.engine
     form = await request.form(max_part_size=MAX_UPLOAD)
     upload = form.get("file")
     if not isinstance(upload, UploadFile):
@@ -177,33 +177,17 @@ def _subtitles(segments: list[dict[str, Any]], fmt: str) -> str:
 
 
 async def realtime(ws: WebSocket) -> None:
-    t: Transcriber = ws.app.state.transcriber
+    t: Transcriber = ws.app.state.engine
     await RealtimeSession(ws, t.recognizer, t.model).run()
 
 
 def build(vocabulary: str, diarize: bool, model: str) -> Starlette:
-    transcriber = Transcriber(vocabulary, diarize, model)
-
-    async def health(_request: Request) -> Response:
-        ok = transcriber.ready
-        return JSONResponse({"status": "ok" if ok else "loading"}, 200 if ok else 503)
-
-    async def models(_request: Request) -> Response:
-        return models_response(transcriber.model)
-
-    app = Starlette(
-        routes=[
-            Route("/health", health),
-            Route("/v1/models", models),
-            Route("/v1/audio/transcriptions", transcribe, methods=["POST"]),
-            Route("/v1/audio/translations", transcribe, methods=["POST"]),
-            WebSocketRoute("/v1/realtime", realtime),
-        ],
-        exception_handlers={ApiError: api_error},
-        lifespan=on_start(transcriber.start),
-    )
-    app.state.transcriber = transcriber
-    return app
+    routes = [
+        Route("/v1/audio/transcriptions", transcribe, methods=["POST"]),
+        Route("/v1/audio/translations", transcribe, methods=["POST"]),
+        WebSocketRoute("/v1/realtime", realtime),
+    ]
+    return service(Transcriber(vocabulary, diarize, model), routes)
 
 
 def main() -> None:

@@ -20,11 +20,11 @@ from typing import Any
 
 import numpy as np
 import uvicorn
-from openai_shapes import ApiError, api_error, arguments, models_response, on_start
+from openai_shapes import ApiError, arguments, service
 from speech import Resampler
 from starlette.applications import Starlette
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
 ESPEAK_RATE = 22050
@@ -53,7 +53,11 @@ class Speaker:
         self.espeak, self.model = espeak, model
         self.voices: set[str] = set()
 
-    async def load(self) -> None:
+    @property
+    def ready(self) -> bool:
+        return bool(self.voices)
+
+    async def start(self) -> None:
         """The installed voice names, so a wrong voice is a 400 naming the choices."""
         proc = await asyncio.create_subprocess_exec(
             self.espeak, "--voices=en", stdout=asyncio.subprocess.PIPE
@@ -102,7 +106,7 @@ class Speaker:
 
 
 async def speech(request: Request) -> Response:
-    speaker: Speaker = request.app.state.speaker
+    speaker: Speaker = request.app.state.engine
     try:
         body = await request.json()
     except ValueError:
@@ -147,26 +151,7 @@ async def _audio(proc: asyncio.subprocess.Process, fmt: str) -> AsyncIterator[by
 
 
 def build(espeak: str, model: str) -> Starlette:
-    speaker = Speaker(espeak, model)
-
-    async def health(_request: Request) -> Response:
-        ready = bool(speaker.voices)
-        return JSONResponse({"status": "ok" if ready else "loading"}, 200 if ready else 503)
-
-    async def models(_request: Request) -> Response:
-        return models_response(speaker.model)
-
-    app = Starlette(
-        routes=[
-            Route("/health", health),
-            Route("/v1/models", models),
-            Route("/v1/audio/speech", speech, methods=["POST"]),
-        ],
-        exception_handlers={ApiError: api_error},
-        lifespan=on_start(speaker.load),
-    )
-    app.state.speaker = speaker
-    return app
+    return service(Speaker(espeak, model), [Route("/v1/audio/speech", speech, methods=["POST"])])
 
 
 def main() -> None:

@@ -41,6 +41,8 @@ models:
          diarization: true}}
   voices:
     backends: [{{cmd: "{TTS}", proxy: "${{PORT}}", type: tts, maxConcurrent: 2}}]
+  live:
+    backends: [{{cmd: "{STT}", proxy: "${{PORT}}", type: stt, modes: [realtime]}}]
 """
 DIGITS = ["zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine"]
 WAV_HEADER = 44
@@ -144,10 +146,12 @@ def test_U4_two_voices_are_diarized_into_two_speakers(client):
     assert wer <= MAX_WER
 
 
-async def realtime(gw: Gateway, pcm: bytes, vad: bool) -> tuple[list[str], str, list[str]]:
+async def realtime(
+    gw: Gateway, pcm: bytes, vad: bool, model: str = "digits"
+) -> tuple[list[str], str, list[str]]:
     """Stream `pcm` (24 kHz) in 100 ms appends; returns the deltas, the completed transcript
     and every event type seen."""
-    url = gw.url.replace("http://", "ws://") + "/v1/realtime?model=digits"
+    url = gw.url.replace("http://", "ws://") + f"/v1/realtime?model={model}"
     kinds: list[str] = []
     deltas: list[str] = []
     async with websockets.connect(url) as ws:
@@ -179,7 +183,8 @@ async def test_U2_realtime_deltas_then_the_final_transcript(gw):
         )
     pcm = reply.content
     assert reply.headers["content-type"] == "audio/pcm" and len(pcm) > PCM_RATE * 2
-    deltas, transcript, kinds = await realtime(gw, pcm, vad=False)
+    assert gw.state("live#0") == "stopped"  # the upgrade is held through its cold start
+    deltas, transcript, kinds = await realtime(gw, pcm, vad=False, model="live")
     print(f"realtime said {said!r} heard {transcript!r} in {len(deltas)} deltas")
     # Words stream as deltas while the audio is still arriving, before the commit.
     first_delta = next(i for i, k in enumerate(kinds) if k.endswith("transcription.delta"))
@@ -210,7 +215,8 @@ def test_U5_capabilities_list_the_reference_models_by_surface(gw):
     caps = httpx.get(gw.v1 + "/capabilities").json()
     models = {e["path"]: e["models"] for e in caps["endpoints"]}
     assert models["/v1/audio/transcriptions"] == ["digits", "speakers"]
-    assert models["/v1/realtime"] == ["digits"] and models["/v1/audio/speech"] == ["voices"]
+    assert models["/v1/realtime"] == ["digits", "live"] and models["/v1/audio/speech"] == ["voices"]
+    assert caps["diarizing_models"] == ["speakers"]
 
 
 def test_U6_bad_input_is_a_clear_400_from_the_reference_backends(client):

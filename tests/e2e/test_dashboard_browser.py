@@ -5,25 +5,14 @@ each section are saved under the test's tmp_path (their paths are printed)."""
 
 from __future__ import annotations
 
-import shutil
-from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
-import pytest
-from playwright.sync_api import Browser, Page, expect, sync_playwright
+from playwright.sync_api import Page, expect
 
+from tests.support.browser import sign_in
 from tests.support.processes import fake_cmd
 
-CHROMIUM = "/usr/bin/chromium"
-ARGS = [
-    "--no-sandbox",
-    "--disable-gpu",
-    "--disable-background-networking",
-    "--disable-component-update",
-    "--disable-sync",
-    "--no-first-run",
-]
 SECTIONS = ("overview", "residency", "lanes", "usage", "logs", "economics", "definitions")
 
 CONFIG = f"""
@@ -41,45 +30,6 @@ models:
         proxy: ${{PORT}}
         ramUsage: {{gpu0: 2GB}}
 """
-
-
-@pytest.fixture(scope="module")
-def browser() -> Iterator[Browser]:
-    assert shutil.which(CHROMIUM), "install Debian's chromium (apt-get install chromium)"
-    with sync_playwright() as pw:
-        browser = pw.chromium.launch(executable_path=CHROMIUM, args=ARGS)
-        try:
-            yield browser
-        finally:
-            browser.close()
-
-
-@pytest.fixture
-def page(browser: Browser) -> Iterator[Page]:
-    context = browser.new_context(viewport={"width": 1280, "height": 900})
-    page = context.new_page()
-    outside: list[str] = []
-    page.on(
-        "request",
-        lambda r: outside.append(r.url) if not r.url.startswith("http://127.0.0.1") else None,
-    )
-    try:
-        yield page
-    finally:
-        context.close()
-    assert not outside, f"the dashboard made external requests: {outside}"
-
-
-def sign_in(page: Page, gw) -> None:
-    page.goto(gw.url + "/")
-    expect(page).to_have_url(gw.url + "/signin")
-    page.get_by_label("Admin token").fill("wrong")
-    page.get_by_role("button", name="Sign in").click()
-    expect(page.get_by_role("alert")).to_contain_text("not the admin token")
-    page.get_by_label("Admin token").fill(gw.token)
-    page.get_by_role("button", name="Sign in").click()
-    expect(page).to_have_url(gw.url + "/")
-    expect(page.locator("#live")).to_have_text("live")
 
 
 def screenshots(page: Page, folder: Path, tag: str) -> None:

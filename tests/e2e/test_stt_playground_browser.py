@@ -7,15 +7,12 @@ A screenshot of the section is saved under the test's tmp_path (its path is prin
 from __future__ import annotations
 
 import re
-import shutil
 import wave
-from collections.abc import Iterator
 from pathlib import Path
 
-import pytest
-from playwright.sync_api import Browser, Page, expect, sync_playwright
+from playwright.sync_api import Page, expect
 
-from tests.e2e.test_dashboard_browser import ARGS, CHROMIUM, sign_in
+from tests.support.browser import sign_in
 from tests.support.processes import fake_cmd
 
 CONFIG = f"""
@@ -35,33 +32,6 @@ models:
     backends: [{{cmd: "{fake_cmd()}", proxy: "${{PORT}}", type: stt, modes: [batch]}}]
 """
 KEY_STORE = "corrallm.playground.key"
-
-
-@pytest.fixture(scope="module")
-def browser() -> Iterator[Browser]:
-    assert shutil.which(CHROMIUM), "install Debian's chromium (apt-get install chromium)"
-    with sync_playwright() as pw:
-        browser = pw.chromium.launch(executable_path=CHROMIUM, args=ARGS)
-        try:
-            yield browser
-        finally:
-            browser.close()
-
-
-@pytest.fixture
-def page(browser: Browser) -> Iterator[Page]:
-    context = browser.new_context(viewport={"width": 1280, "height": 900})
-    page = context.new_page()
-    outside: list[str] = []
-    page.on(
-        "request",
-        lambda r: outside.append(r.url) if not r.url.startswith("http://127.0.0.1") else None,
-    )
-    try:
-        yield page
-    finally:
-        context.close()
-    assert not outside, f"the playground made external requests: {outside}"
 
 
 def write_wav(path: Path) -> Path:
