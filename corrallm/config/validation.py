@@ -99,13 +99,17 @@ def _fixed_loopback_port(proxy: str) -> int | None:
         return None
 
 
+# llama-swap's spelling: the port corrallm picks, in a URL on this machine.
+_PORT_URL = re.compile(r"https?://(127\.0\.0\.1|localhost|\[::1\]):\$\{PORT\}(/[^\s$]*)?")
+
+
 def _proxy_problem(proxy: str, has_cmd: bool) -> str | None:
-    if PORT_PLACEHOLDER in proxy and proxy != PORT_PLACEHOLDER:
-        return (
-            "${PORT} must be the whole value (proxy: ${PORT}); corrallm then talks to "
-            "http://127.0.0.1:<the port it picked>"
-        )
-    if proxy == PORT_PLACEHOLDER:
+    if PORT_PLACEHOLDER in proxy:
+        if proxy != PORT_PLACEHOLDER and not _PORT_URL.fullmatch(proxy):
+            return (
+                "${PORT} stands alone (proxy: ${PORT}) or is the port of a loopback URL "
+                "(proxy: http://127.0.0.1:${PORT}, optionally with a path such as /v1)"
+            )
         if has_cmd:
             return None
         return (

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from corrallm.config.schema import PORT_PLACEHOLDER, ProcessSpec
 from corrallm.lifecycle import process, supervision
-from corrallm.lifecycle.addresses import free_port, port_of, resolve_url
+from corrallm.lifecycle.addresses import free_port, origin, port_of, resolve_url
 from corrallm.lifecycle.logs import LogBuffer
 from corrallm.lifecycle.pidrecords import PidRecord, PidRecords, file_name
 from corrallm.lifecycle.state import BUSY, State, check_transition
@@ -289,7 +289,7 @@ class Supervisor:
 
     async def _await_health(self, proc: process.Spawned | None) -> str:
         """Poll health until it answers; an owned process exiting first is a failure."""
-        url = self.base_url + self.spec.health.path
+        url = origin(self.base_url) + self.spec.health.path
         deadline = self.clock() + self.health_timeout
         while True:
             if proc is not None and proc.exited.done():
@@ -387,7 +387,7 @@ class Supervisor:
             started=self.proc.started,
             port=self.port,
             base_url=self.base_url,
-            health_url=self.base_url + self.spec.health.path,
+            health_url=origin(self.base_url) + self.spec.health.path,
             cmd=self.spec.cmd,
         )
 

@@ -15,6 +15,7 @@ import orjson
 
 from corrallm.cost.ledger import Visit
 from corrallm.gateway import Caller, Gateway
+from corrallm.lifecycle.addresses import origin, upstream_url
 from corrallm.lifecycle.supervisor import BackendFailed, BackendPaused, Cause
 from corrallm.proxy.asgi import Receive, Scope, Send, header
 from corrallm.proxy.errors import ApiError, bad_gateway, bad_request, not_found, unavailable
@@ -252,7 +253,7 @@ async def _forward_admitted(
             gateway.session,
             scope,
             send,
-            route.endpoint.base_url + scope["path"],
+            upstream_url(route.endpoint.base_url, scope["path"]),
             data,
             request_headers(scope["headers"], route.config.headers),
             extra,
@@ -358,7 +359,7 @@ async def upstream(
     watch = DisconnectWatch(receive)
     try:
         await _ready(route)  # untracked: it holds no slot and never delays a drain
-        url = f"{route.endpoint.base_url}/{path}"
+        url = f"{origin(route.endpoint.base_url)}/{path}"
         if query:
             url += "?" + query.decode("latin-1")
         headers = request_headers(scope["headers"], route.config.headers)

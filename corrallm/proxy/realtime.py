@@ -22,6 +22,7 @@ import orjson
 from corrallm.cost.ledger import Visit
 from corrallm.cost.model import Metered
 from corrallm.gateway import Gateway
+from corrallm.lifecycle.addresses import upstream_url
 from corrallm.lifecycle.supervisor import LifecycleError
 from corrallm.proxy.asgi import Receive, Scope, Send
 from corrallm.proxy.inference import caller_key, offered
@@ -89,7 +90,7 @@ async def _session(
             await ticket.route.endpoint.ensure_ready((visit.key, caller.group_name, served.name))
         except LifecycleError as exc:
             raise Refused(TRY_AGAIN_LATER, f"backend did not start: {exc}") from None
-        url = ticket.route.endpoint.base_url.replace("http", "ws", 1) + "/v1/realtime"
+        url = upstream_url(ticket.route.endpoint.base_url, "/v1/realtime").replace("http", "ws", 1)
         async with gateway.session.ws_connect(
             url, params={"model": ticket.route.config.model or served.name}, autoping=True
         ) as upstream:

@@ -234,3 +234,19 @@ def test_F2_backend_max_tokens_clamps_requests(gateway_factory):
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 5
     r = httpx.post(gw.v1 + "/chat/completions", json={**CHAT, "model": "small"})
     assert r.json()["usage"]["completion_tokens"] == 5
+
+
+def test_L1_port_placeholder_in_a_url_with_a_v1_path_llama_swap_style(gateway_factory):
+    # llama-swap's `proxy: http://127.0.0.1:${PORT}`, here with an OpenAI base-URL path:
+    # health is polled at the origin, and requests are not sent to /v1/v1/...
+    gw = gateway_factory(
+        f"""
+models:
+  chat:
+    backends: [{{cmd: "{fake_cmd("--load-seconds", "0.3")}", proxy: "http://127.0.0.1:${{PORT}}/v1"}}]
+"""
+    )
+    r = httpx.post(gw.v1 + "/chat/completions", json=CHAT, timeout=30)
+    assert r.status_code == 200, r.text
+    assert [q["path"] for q in recorded(gw)] == ["/v1/chat/completions"]
+    assert gw.state("chat#0") == "ready"

@@ -119,18 +119,33 @@ def test_proxy_must_be_port_url_or_port_placeholder(proxy: str, message: str) ->
 
 
 @pytest.mark.parametrize(
-    "proxy", ["5800", "'http://127.0.0.1:5800/v1'", "https://x.test", "'${PORT}'"]
+    "proxy",
+    [
+        "5800",
+        "'http://127.0.0.1:5800/v1'",
+        "https://x.test",
+        "'${PORT}'",
+        "'http://127.0.0.1:${PORT}'",
+        "'http://localhost:${PORT}/v1'",
+    ],
 )
 def test_valid_proxies(proxy: str) -> None:
     load(backend(f"{{cmd: x, proxy: {proxy}}}"))
 
 
 def test_port_placeholder_in_proxy_needs_cmd() -> None:
-    assert one_problem(backend("{proxy: '${PORT}'}")).startswith(
-        "models.m.backends[0].proxy: ${PORT} needs cmd"
-    )
-    url_problem = one_problem(backend("{cmd: 'srv', proxy: 'http://127.0.0.1:${PORT}/v1'}"))
-    assert url_problem.startswith("models.m.backends[0].proxy: ${PORT} must be the whole value")
+    for proxy in ("'${PORT}'", "'http://127.0.0.1:${PORT}'"):
+        assert one_problem(backend(f"{{proxy: {proxy}}}")).startswith(
+            "models.m.backends[0].proxy: ${PORT} needs cmd"
+        )
+
+
+@pytest.mark.parametrize(
+    "proxy", ["'http://gpu-box:${PORT}'", "'http://127.0.0.1:80${PORT}'", "'x${PORT}'"]
+)
+def test_port_placeholder_only_alone_or_as_a_loopback_urls_port(proxy: str) -> None:
+    problem = one_problem(backend(f"{{cmd: srv, proxy: {proxy}}}"))
+    assert problem.startswith("models.m.backends[0].proxy: ${PORT} stands alone")
 
 
 def test_two_processes_on_one_fixed_port_name_both() -> None:
