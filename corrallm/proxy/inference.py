@@ -78,12 +78,17 @@ def parse_request(body: bytes) -> tuple[dict[str, Any], str]:
     return payload, model
 
 
-def lookup(gateway: Gateway, model: str) -> ServedModel:
+def lookup(gateway: Gateway, model: str, reloaded: bool = False) -> ServedModel:
     served = gateway.models.get(model)
     if served is None:
         names = ", ".join(s.name for s in gateway.served if not s.config.unlisted)
+        what = (
+            "was removed by a config reload while this request waited"
+            if reloaded
+            else ("does not exist here")
+        )
         raise not_found(
-            f"The model '{model}' does not exist here. Served models: {names or 'none'}. "
+            f"The model '{model}' {what}. Served models: {names or 'none'}. "
             "GET /v1/models lists them with their aliases.",
             code="model_not_found",
         )
@@ -187,6 +192,14 @@ async def _serve(
     meter: Meter | None = None
     try:
         ticket = await admission.acquire(caller.group_name, caller.group, tiers)
+        while gateway.stale(ticket.route):
+            # P6: a reload removed or replaced the backend while this request waited for
+            # it; route it again under the config now in force (its slot is given back).
+            admission.release(ticket)
+            ticket = None
+            served = lookup(gateway, served.name, reloaded=True)
+            tiers = served.tiers_for(caller.group, gateway.placeable)
+            ticket = await admission.acquire(caller.group_name, caller.group, tiers)
         visit.admitted_mono = time.monotonic()
         while True:
             stream = ticket.stream = StreamState(preemptible=ticket.preemptible)

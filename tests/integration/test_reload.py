@@ -4,6 +4,7 @@ once; a bad config is refused with every problem and the old one stays in force.
 
 from __future__ import annotations
 
+import concurrent.futures
 import signal
 from pathlib import Path
 
@@ -91,3 +92,47 @@ def test_P6_sighup_reloads(gateway_factory):
     gw.proc.send_signal(signal.SIGHUP)
     wait_for(lambda: "config refused" in gw.log(), 20, what="the refusal logged")
     assert chat(gw, "new").status_code == 200 and gw.proc.poll() is None
+
+
+SLOW = fake_cmd("--tokens", "4", "--token-delay", "0.4")
+QUEUED_BEFORE = f"""
+models:
+  change: {{backends: [{{cmd: "{SLOW}", proxy: "${{PORT}}", maxConcurrent: 1}}]}}
+  drop: {{backends: [{{cmd: "{SLOW}", proxy: "${{PORT}}", maxConcurrent: 1}}]}}
+"""
+FIVE = fake_cmd("--tokens", "5")
+QUEUED_AFTER = f"""
+models:
+  change: {{backends: [{{cmd: "{FIVE}", proxy: "${{PORT}}", maxConcurrent: 1}}]}}
+"""
+
+
+def test_P6_requests_queued_on_a_replaced_or_removed_backend_are_routed_again(gateway_factory):
+    gw = gateway_factory(QUEUED_BEFORE)
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        running = {m: pool.submit(chat, gw, m) for m in ("change", "drop")}
+        wait_for(
+            lambda: all(gw.overview_backend(f"{m}#0")["in_flight"] == 1 for m in running),
+            20,
+            what="both slots busy",
+        )
+        queued = {m: pool.submit(chat, gw, m) for m in ("change", "drop")}
+        wait_for(
+            lambda: all(gw.overview_backend(f"{m}#0")["waiting"] == 1 for m in queued),
+            20,
+            what="one request queued on each",
+        )
+        config_file(gw).write_text(QUEUED_AFTER)
+        assert gw.api("POST", "config/reload").status_code == 200
+        # The requests in flight finish where they are (drained), on the old processes.
+        for future in running.values():
+            reply = future.result(60)
+            assert reply.status_code == 200 and reply.json()["usage"]["completion_tokens"] == 4
+        # The queued one on the replaced backend is served by its replacement...
+        moved = queued["change"].result(60)
+        assert moved.status_code == 200, moved.text
+        assert moved.json()["usage"]["completion_tokens"] == 5
+        # ...and the one whose model is gone is told so, not handed a 502.
+        gone = queued["drop"].result(60)
+        assert gone.status_code == 404, gone.text
+        assert "removed by a config reload" in gone.json()["error"]["message"]
