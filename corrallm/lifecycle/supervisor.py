@@ -40,6 +40,10 @@ class BackendFailed(LifecycleError):
     """The backend could not be started; the message carries its log tail."""
 
 
+class BackendRetired(BackendFailed):
+    """A config reload removed or replaced the backend: it is never started again."""
+
+
 class BackendPaused(LifecycleError):
     pass
 
@@ -107,7 +111,7 @@ class Supervisor:
         """Return once the backend is ready, starting it if needed (L1, L2, L3)."""
         while self.state is not State.READY:
             if self.retired:
-                raise BackendFailed(f"backend '{self.id}' was removed or replaced by a reload")
+                raise BackendRetired(f"backend '{self.id}' was removed or replaced by a reload")
             if self.state is State.PAUSED:
                 raise BackendPaused(f"backend '{self.id}' is paused")
             if self.state is State.FAILED and self.clock() < self.retry_at:
@@ -122,7 +126,7 @@ class Supervisor:
             if self.state is State.STARTING and task is not None and not task.done():
                 await asyncio.wait({task})
                 error = None if task.cancelled() else task.exception()
-                if isinstance(error, LifecycleError):
+                if isinstance(error, LifecycleError) and not self.retired:
                     raise error
             else:
                 await self._next_change()

@@ -16,7 +16,7 @@ import orjson
 from corrallm.cost.ledger import Visit
 from corrallm.gateway import Caller, Gateway
 from corrallm.lifecycle.addresses import origin, upstream_url
-from corrallm.lifecycle.supervisor import BackendFailed, BackendPaused, Cause
+from corrallm.lifecycle.supervisor import BackendFailed, BackendPaused, BackendRetired, Cause
 from corrallm.proxy.asgi import Receive, Scope, Send, header
 from corrallm.proxy.errors import ApiError, bad_gateway, bad_request, not_found, unavailable
 from corrallm.proxy.forward import PREEMPTED_EVENT, DisconnectWatch, forward, request_headers
@@ -76,6 +76,9 @@ def parse_request(body: bytes) -> tuple[dict[str, Any], str]:
             "Missing 'model': name the model to use (GET /v1/models lists them).", param="model"
         )
     return payload, model
+
+
+RETIRED = "backend_retired"  # a reload took the backend away before the request reached it
 
 
 def lookup(gateway: Gateway, model: str, reloaded: bool = False) -> ServedModel:
@@ -192,16 +195,18 @@ async def _serve(
     meter: Meter | None = None
     try:
         ticket = await admission.acquire(caller.group_name, caller.group, tiers)
-        while gateway.stale(ticket.route):
-            # P6: a reload removed or replaced the backend while this request waited for
-            # it; route it again under the config now in force (its slot is given back).
-            admission.release(ticket)
-            ticket = None
-            served = lookup(gateway, served.name, reloaded=True)
-            tiers = served.tiers_for(caller.group, gateway.placeable)
-            ticket = await admission.acquire(caller.group_name, caller.group, tiers)
-        visit.admitted_mono = time.monotonic()
         while True:
+            if gateway.stale(ticket.route):
+                # P6: a reload removed or replaced the backend while this request waited
+                # for it (or for its cold start): route it again under the config now in
+                # force, its slot given back.
+                admission.release(ticket)
+                ticket = None
+                served = lookup(gateway, served.name, reloaded=True)
+                tiers = served.tiers_for(caller.group, gateway.placeable)
+                ticket = await admission.acquire(caller.group_name, caller.group, tiers)
+                continue
+            visit.admitted_mono = visit.admitted_mono or time.monotonic()
             stream = ticket.stream = StreamState(preemptible=ticket.preemptible)
             meter = Meter(strip_usage)
             visit.backend, visit.backend_id = ticket.route.config, ticket.route.id
@@ -212,6 +217,10 @@ async def _serve(
                     gateway, served, ticket, stream, meter, scope, send, payload, body, watch, cause
                 )
                 return
+            except ApiError as exc:
+                if exc.code == RETIRED and gateway.stale(ticket.route):
+                    continue  # nothing was sent: route it again (above)
+                raise
             except asyncio.CancelledError:
                 if not (ticket.preempted and _uncancel()):
                     raise
@@ -352,6 +361,8 @@ async def _ready(route: Route, cause: Cause | None = None) -> None:
         await route.endpoint.ensure_ready(cause)
     except BackendPaused as exc:
         raise model_paused(route.model) from exc
+    except BackendRetired as exc:
+        raise bad_gateway(str(exc), code=RETIRED) from exc
     except BackendFailed as exc:
         raise bad_gateway(str(exc), code="backend_start_failed") from exc
     except NoRoom as exc:

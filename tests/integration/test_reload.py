@@ -110,7 +110,8 @@ models:
 def test_P6_requests_queued_on_a_replaced_or_removed_backend_are_routed_again(gateway_factory):
     gw = gateway_factory(QUEUED_BEFORE)
     with concurrent.futures.ThreadPoolExecutor(4) as pool:
-        running = {m: pool.submit(chat, gw, m) for m in ("change", "drop")}
+        assert all(r.status_code == 200 for r in pool.map(chat, [gw, gw], ["change", "drop"]))
+        running = {m: pool.submit(chat, gw, m) for m in ("change", "drop")}  # warm: no wait
         wait_for(
             lambda: all(gw.overview_backend(f"{m}#0")["in_flight"] == 1 for m in running),
             20,
@@ -136,3 +137,30 @@ def test_P6_requests_queued_on_a_replaced_or_removed_backend_are_routed_again(ga
         gone = queued["drop"].result(60)
         assert gone.status_code == 404, gone.text
         assert "removed by a config reload" in gone.json()["error"]["message"]
+
+
+COLD_BEFORE = f"""
+models:
+  change: {{backends: [{{cmd: "{fake_cmd("--load-seconds", "60")}", proxy: "${{PORT}}"}}]}}
+  drop: {{backends: [{{cmd: "{fake_cmd("--load-seconds", "60")}", proxy: "${{PORT}}"}}]}}
+"""
+
+
+def test_P6_requests_waiting_on_a_cold_start_that_a_reload_cancels_are_routed_again(
+    gateway_factory,
+):
+    gw = gateway_factory(COLD_BEFORE)
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        waiting = {m: pool.submit(chat, gw, m) for m in ("change", "drop")}
+        wait_for(
+            lambda: all(gw.state(f"{m}#0") == "starting" for m in waiting),
+            20,
+            what="both backends starting",
+        )
+        config_file(gw).write_text(QUEUED_AFTER)
+        assert gw.api("POST", "config/reload").status_code == 200
+        moved = waiting["change"].result(60)
+        assert moved.status_code == 200, moved.text
+        assert moved.json()["usage"]["completion_tokens"] == 5
+        gone = waiting["drop"].result(60)
+        assert gone.status_code == 404 and "removed by a config reload" in gone.text
