@@ -19,12 +19,13 @@ from corrallm.config.schema import Model, PriorityGroup, ProcessSpec
 from corrallm.cost.ledger import Ledger, Visit
 from corrallm.events import EventBus
 from corrallm.lifecycle.addresses import resolve_url
+from corrallm.lifecycle.errors import LifecycleError
 from corrallm.lifecycle.pauses import Kind, Pausable, Pauses
 from corrallm.lifecycle.pidrecords import PidRecords
 from corrallm.lifecycle.process import adopt, stop_group
 from corrallm.lifecycle.remote import RemoteEndpoint
 from corrallm.lifecycle.state import State
-from corrallm.lifecycle.supervisor import LifecycleError, Supervisor
+from corrallm.lifecycle.supervisor import Supervisor
 from corrallm.metrics import Metrics
 from corrallm.proxy.forward import new_session
 from corrallm.residency.manager import Residency, Tenancy

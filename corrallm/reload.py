@@ -16,8 +16,9 @@ from dataclasses import dataclass, field
 
 from corrallm.config import Config, load_config, load_demo_config
 from corrallm.gateway import Gateway
+from corrallm.lifecycle.errors import LifecycleError
 from corrallm.lifecycle.state import State
-from corrallm.lifecycle.supervisor import LifecycleError, Supervisor
+from corrallm.lifecycle.supervisor import Supervisor
 
 log = logging.getLogger("corrallm.reload")
 

@@ -12,14 +12,9 @@ from typing import Any
 
 from corrallm.config.units import parse_duration
 from corrallm.gateway import Gateway
+from corrallm.lifecycle.errors import BackendFailed, BackendPaused, LifecycleBusy, LifecycleError
 from corrallm.lifecycle.pauses import Kind
-from corrallm.lifecycle.supervisor import (
-    BackendFailed,
-    BackendPaused,
-    LifecycleBusy,
-    LifecycleError,
-    Supervisor,
-)
+from corrallm.lifecycle.supervisor import Supervisor
 from corrallm.residency.manager import NoRoom
 from corrallm.routing.router import ServedModel
 

@@ -16,7 +16,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
-from corrallm.lifecycle.supervisor import LifecycleError, Supervisor
+from corrallm.lifecycle.errors import LifecycleError
+from corrallm.lifecycle.supervisor import Supervisor
 from corrallm.store.db import Store
 
 log = logging.getLogger("corrallm.lifecycle")

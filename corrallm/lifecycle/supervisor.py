@@ -18,6 +18,13 @@ from pathlib import Path
 from corrallm.config.schema import PORT_PLACEHOLDER, ProcessSpec
 from corrallm.lifecycle import process, supervision
 from corrallm.lifecycle.addresses import free_port, origin, port_of, resolve_url
+from corrallm.lifecycle.errors import (
+    BackendFailed,
+    BackendPaused,
+    BackendRetired,
+    LifecycleBusy,
+    LifecycleError,
+)
 from corrallm.lifecycle.logs import LogBuffer
 from corrallm.lifecycle.pidrecords import PidRecord, PidRecords, file_name
 from corrallm.lifecycle.state import BUSY, State, check_transition
@@ -30,26 +37,6 @@ Cause = tuple[str | None, str, str]
 
 HEALTH_POLL_SECONDS = 0.1  # L1: readiness seen within 250 ms of the backend turning healthy
 LOG_TAIL_LINES = 15
-
-
-class LifecycleError(Exception):
-    """Something a caller can be told about a backend's lifecycle, in words."""
-
-
-class BackendFailed(LifecycleError):
-    """The backend could not be started; the message carries its log tail."""
-
-
-class BackendRetired(BackendFailed):
-    """A config reload removed or replaced the backend: it is never started again."""
-
-
-class BackendPaused(LifecycleError):
-    pass
-
-
-class LifecycleBusy(LifecycleError):
-    """Another lifecycle action on this process is under way (an explicit load gets 409)."""
 
 
 @dataclass

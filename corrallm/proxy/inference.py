@@ -16,7 +16,8 @@ import orjson
 from corrallm.cost.ledger import Visit
 from corrallm.gateway import Caller, Gateway
 from corrallm.lifecycle.addresses import origin, upstream_url
-from corrallm.lifecycle.supervisor import BackendFailed, BackendPaused, BackendRetired, Cause
+from corrallm.lifecycle.errors import BackendFailed, BackendPaused, BackendRetired
+from corrallm.lifecycle.supervisor import Cause
 from corrallm.proxy.asgi import Receive, Scope, Send, header
 from corrallm.proxy.errors import ApiError, bad_gateway, bad_request, not_found, unavailable
 from corrallm.proxy.forward import PREEMPTED_EVENT, DisconnectWatch, forward, request_headers

@@ -23,7 +23,7 @@ from corrallm.cost.ledger import Visit
 from corrallm.cost.model import Metered
 from corrallm.gateway import Gateway
 from corrallm.lifecycle.addresses import upstream_url
-from corrallm.lifecycle.supervisor import LifecycleError
+from corrallm.lifecycle.errors import LifecycleError
 from corrallm.proxy.asgi import Receive, Scope, Send
 from corrallm.proxy.inference import caller_key, offered
 from corrallm.scheduler.admission import Rejected

@@ -17,8 +17,9 @@ from dataclasses import dataclass, field
 
 from corrallm.config.schema import Server
 from corrallm.config.units import format_size
+from corrallm.lifecycle.errors import LifecycleError
 from corrallm.lifecycle.state import State
-from corrallm.lifecycle.supervisor import LifecycleError, Supervisor
+from corrallm.lifecycle.supervisor import Supervisor
 from corrallm.residency.measure import MemoryReader
 from corrallm.residency.planner import Plan, Resident, plan
 

@@ -15,9 +15,8 @@ The async wrapper (`admission.py`) carries the decisions out and reports back.
 from __future__ import annotations
 
 import math
-from collections import Counter, deque
+from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from typing import Literal
 
 from corrallm.scheduler.decisions import (
@@ -31,8 +30,10 @@ from corrallm.scheduler.decisions import (
     Reject,
     Request,
 )
+from corrallm.scheduler.state import HALF_LIFE_SECONDS, Backend, Group, Running
 
 __all__ = [
+    "HALF_LIFE_SECONDS",
     "Admit",
     "Currency",
     "Decision",
@@ -45,73 +46,7 @@ __all__ = [
     "Scheduler",
 ]
 
-HALF_LIFE_SECONDS = 120.0  # usage decay: what a group used two minutes ago counts half
 EWMA = 0.2  # weight of the newest sample in the dwell and service-time averages
-
-# -- state -----------------------------------------------------------------------------
-
-
-@dataclass
-class _Running:
-    request: Request
-    backend: str
-    admitted: float
-    preempted_by: int | None = None
-
-
-@dataclass
-class _Group:
-    spec: GroupSpec
-    usage: float = 0.0
-    usage_at: float = 0.0
-    in_flight: int = 0
-    waiting: int = 0
-    admitted_sum: float = 0.0  # sum of admission times of its running requests
-
-    def decayed(self, now: float) -> float:
-        if now > self.usage_at:
-            self.usage *= 0.5 ** ((now - self.usage_at) / HALF_LIFE_SECONDS)
-            self.usage_at = now
-        return self.usage
-
-
-@dataclass
-class _Backend:
-    id: str
-    capacity: int
-    running: dict[int, _Running] = field(default_factory=dict)
-    queues: dict[str, deque[Request]] = field(default_factory=dict)
-    queued: dict[int, Request] = field(default_factory=dict)  # every request in `queues`
-    counts: Counter[str] = field(default_factory=Counter)  # group -> requests in `running`
-    handoffs: dict[int, Request] = field(default_factory=dict)  # victim id -> its taker
-    leases: dict[str, tuple[int, float]] = field(default_factory=dict)  # group -> slots, until
-    dwell: float | None = None
-    service: float | None = None
-
-    @property
-    def waiting(self) -> int:
-        return len(self.queued) + len(self.handoffs)
-
-    def in_flight_of(self, group: str) -> int:
-        return self.counts[group]
-
-    def held_for_others(self, group: str) -> int:
-        """Reserved slots of other lanes that those lanes are not using (V2)."""
-        return sum(
-            max(0, slots - self.in_flight_of(owner))
-            for owner, (slots, _) in self.leases.items()
-            if owner != group
-        )
-
-    def beyond_lease(self, group: str) -> int:
-        """Running requests of `group` outside its own lease, not already being preempted."""
-        slots = self.leases[group][0] if group in self.leases else 0
-        mine = [r for r in self.running.values() if r.request.group == group]
-        return len(mine) - slots - sum(1 for r in mine if r.preempted_by is not None)
-
-    def room_for(self, group: str) -> bool:
-        busy = len(self.running) + len(self.handoffs)
-        return busy + self.held_for_others(group) < self.capacity
 
 
 class Scheduler:
@@ -121,16 +56,16 @@ class Scheduler:
         max_queue_depth: int,
         default_group: str = "default",
     ) -> None:
-        self.groups = {g.name: _Group(g) for g in groups}
+        self.groups = {g.name: Group(g) for g in groups}
         if default_group not in self.groups:
-            self.groups[default_group] = _Group(GroupSpec(default_group))
+            self.groups[default_group] = Group(GroupSpec(default_group))
         self.max_queue_depth = max_queue_depth
-        self.backends: dict[str, _Backend] = {}
+        self.backends: dict[str, Backend] = {}
         self._where: dict[int, str] = {}  # request id -> backend, queued or running
         self._turn = 0
 
     def add_backend(self, backend: str, capacity: int) -> None:
-        self.backends[backend] = _Backend(backend, capacity)
+        self.backends[backend] = Backend(backend, capacity)
 
     def reconfigure(
         self,
@@ -149,9 +84,9 @@ class Scheduler:
             if spec.name in self.groups:
                 self.groups[spec.name].spec = spec
             else:
-                self.groups[spec.name] = _Group(spec)
+                self.groups[spec.name] = Group(spec)
         if default_group not in self.groups:
-            self.groups[default_group] = _Group(GroupSpec(default_group))
+            self.groups[default_group] = Group(GroupSpec(default_group))
         self.max_queue_depth = max_queue_depth
         admits: list[Admit] = []
         for backend, capacity in capacities.items():
@@ -299,9 +234,9 @@ class Scheduler:
 
     # -- the machinery -------------------------------------------------------------------
 
-    def _admit(self, request: Request, backend: _Backend, now: float) -> Admit:
+    def _admit(self, request: Request, backend: Backend, now: float) -> Admit:
         group = self.groups[request.group]
-        backend.running[request.id] = _Running(request, backend.id, now)
+        backend.running[request.id] = Running(request, backend.id, now)
         backend.counts[request.group] += 1
         self._where[request.id] = backend.id
         group.in_flight += 1
@@ -311,7 +246,7 @@ class Scheduler:
             group.usage += 1.0
         return Admit(request.id, backend.id)
 
-    def _least_loaded(self, tier: Sequence[str], group: str) -> _Backend | None:
+    def _least_loaded(self, tier: Sequence[str], group: str) -> Backend | None:
         """A backend of the tier this group may enter now; fewest in flight, then in turn."""
         open_ = [
             self.backends[b]
@@ -325,11 +260,11 @@ class Scheduler:
         ties = [b for b in open_ if len(b.running) == fewest]
         return ties[self._turn % len(ties)]
 
-    def _waiters_fit(self, backend: _Backend) -> bool:
+    def _waiters_fit(self, backend: Backend) -> bool:
         """Someone already waiting could take the free slot: a newcomer must not jump it (S1)."""
         return any(q and backend.room_for(g) for g, q in backend.queues.items())
 
-    def _victim(self, tier: Sequence[str], taker: GroupSpec) -> _Running | None:
+    def _victim(self, tier: Sequence[str], taker: GroupSpec) -> Running | None:
         """S4: the newest request of the lowest-weight interruptible group below the taker."""
         candidates = [
             r
@@ -351,7 +286,7 @@ class Scheduler:
             candidates, key=lambda r: (self.groups[r.request.group].spec.weight, -r.admitted)
         )
 
-    def _preempt(self, request: Request, victim: _Running, now: float) -> Preempt:
+    def _preempt(self, request: Request, victim: Running, now: float) -> Preempt:
         backend = self.backends[victim.backend]
         victim.preempted_by = request.id
         backend.handoffs[victim.request.id] = request
@@ -359,7 +294,7 @@ class Scheduler:
         self._where[request.id] = backend.id
         return Preempt(request.id, victim.request.id, backend.id)
 
-    def _fill(self, backend: _Backend, now: float) -> list[Admit]:
+    def _fill(self, backend: Backend, now: float) -> list[Admit]:
         """Hand freed slots out: first to preemption takers, then by weighted fairshare."""
         admits = []
         for victim, taker in list(backend.handoffs.items()):
@@ -375,12 +310,12 @@ class Scheduler:
             admits.append(self._from_queue(request, backend, now))
         return admits
 
-    def _from_queue(self, request: Request, backend: _Backend, now: float) -> Admit:
+    def _from_queue(self, request: Request, backend: Backend, now: float) -> Admit:
         self.groups[request.group].waiting -= 1
         backend.dwell = _average(backend.dwell, now - request.arrived)
         return self._admit(request, backend, now)
 
-    def _next_group(self, backend: _Backend, now: float) -> str | None:
+    def _next_group(self, backend: Backend, now: float) -> str | None:
         # Perf (SPEC §13): room_for(name) of every waiting group, lease sums taken once.
         unused = {g: max(0, n - backend.counts[g]) for g, (n, _) in backend.leases.items()}
         busy = len(backend.running) + len(backend.handoffs)
@@ -394,13 +329,13 @@ class Scheduler:
                 best = rank
         return best[2] if best else None
 
-    def _normalised(self, group: _Group, now: float) -> float:
+    def _normalised(self, group: Group, now: float) -> float:
         usage = group.decayed(now)
         if group.spec.currency == "slotSeconds":  # what its running requests have held so far
             usage += group.in_flight * now - group.admitted_sum
         return usage / group.spec.weight
 
-    def _activate(self, group: _Group, now: float) -> None:
+    def _activate(self, group: Group, now: float) -> None:
         """A group that was idle starts at the current minimum: idle time is not banked."""
         if group.in_flight or group.waiting:
             return
@@ -413,7 +348,7 @@ class Scheduler:
     def _reject(
         self,
         request: Request,
-        backend: _Backend,
+        backend: Backend,
         reason: Literal["saturated", "queue_full"],
         now: float,
     ) -> Reject:

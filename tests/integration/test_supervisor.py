@@ -9,9 +9,10 @@ import aiohttp
 import pytest
 
 from corrallm.config.schema import Backend
+from corrallm.lifecycle.errors import LifecycleBusy
 from corrallm.lifecycle.process import group_alive
 from corrallm.lifecycle.state import State
-from corrallm.lifecycle.supervisor import LifecycleBusy, Supervisor
+from corrallm.lifecycle.supervisor import Supervisor
 from tests.support.processes import fake_cmd
 
 
