@@ -27,6 +27,7 @@ from corrallm.lifecycle.remote import RemoteEndpoint
 from corrallm.lifecycle.state import State
 from corrallm.lifecycle.supervisor import Supervisor
 from corrallm.metrics import Metrics
+from corrallm.proxy.client import Client
 from corrallm.proxy.forward import new_session
 from corrallm.residency.manager import Residency, Tenancy
 from corrallm.residency.measure import nvml_reader
@@ -71,6 +72,7 @@ class Gateway:
         self.health_timeout = health_timeout
         self.started_at = int(time.time())
         self._session: aiohttp.ClientSession | None = None
+        self.upstream = Client()  # the hot path's pooled HTTP/1.1 client
         self.store = Store(db_path or home / "corrallm.db")
         self.activity = ActivityLog(self.store)
         self.ledger = Ledger(config, self.activity)
@@ -261,6 +263,7 @@ class Gateway:
 
     @property
     def session(self) -> aiohttp.ClientSession:
+        """For health probes and the realtime WebSocket relay (not the hot path)."""
         assert self._session is not None, "gateway not started"
         return self._session
 
@@ -300,6 +303,7 @@ class Gateway:
             await self.store.close()
         if self._session is not None:
             await self._session.close()
+        await self.upstream.close()
 
     async def _recover_records(self) -> None:
         """After a crash: re-adopt healthy recorded backends, reap the rest (L5)."""

@@ -18,7 +18,7 @@ from corrallm.store.db import Store
 ERROR_SUMMARY_CHARS = 500
 
 
-@dataclass
+@dataclass(slots=True)
 class Visit:
     """One request, as the proxy saw it; filled in as it goes, settled once at the end."""
 

@@ -7,6 +7,7 @@ is what decides, and every microsecond here is added to every request.
 from __future__ import annotations
 
 import asyncio
+import gc
 import itertools
 import logging
 import signal
@@ -194,6 +195,7 @@ class CorrallmApp:
                     await send({"type": "lifespan.startup.failed", "message": str(exc)})
                     return
                 _reload_on_sighup(self.gateway)
+                _settle_garbage_collector()
                 await send({"type": "lifespan.startup.complete"})
             elif message["type"] == "lifespan.shutdown":
                 try:
@@ -202,6 +204,17 @@ class CorrallmApp:
                     await self.gateway.stop()
                 await send({"type": "lifespan.shutdown.complete"})
                 return
+
+
+def _settle_garbage_collector() -> None:
+    """What startup built (modules, the app, the OpenAPI and GraphQL schemas) lives as long
+    as the process, so it is frozen out of the collector, and the young generation is made
+    larger. With CPython's defaults, under load (bench/overhead.py's wrk run, 3,500
+    req/s) full collections walked all of it 25 times in 10 s, up to 71 ms each, about
+    a fifth of the event loop's time; frozen, with these thresholds: none, 4,000 req/s,
+    p99 81 -> 30 ms."""
+    gc.freeze()
+    gc.set_threshold(10_000, 10, 10)
 
 
 def _reload_on_sighup(gateway: Gateway) -> None:

@@ -1,6 +1,6 @@
 """Forwarding one request upstream and streaming the answer back, chunk by chunk.
 
-Nothing is buffered: each chunk aiohttp hands us goes to the client as it comes. The
+Nothing is buffered: each chunk the backend sends goes to the client as it comes. The
 caller's identity headers are corrallm's business only and never leave it (SPEC §3).
 """
 
@@ -13,11 +13,12 @@ import aiohttp
 import orjson
 
 from corrallm.proxy.asgi import Receive, Scope, Send
+from corrallm.proxy.client import Client
 from corrallm.proxy.errors import bad_gateway
 from corrallm.proxy.metering import Meter
 from corrallm.scheduler.admission import StreamState
 
-# Hop-by-hop headers (RFC 9110 §7.6.1) and those aiohttp sets itself.
+# Hop-by-hop headers (RFC 9110 §7.6.1) and those the client sets itself.
 _HOP_BY_HOP = frozenset(
     {
         b"connection",
@@ -109,7 +110,7 @@ PREEMPTED_EVENT = (
 
 
 async def forward(
-    session: aiohttp.ClientSession,
+    client: Client,
     scope: Scope,
     send: Send,
     url: str,
@@ -123,8 +124,8 @@ async def forward(
 ) -> int:
     """Send the request upstream and relay the response; returns the upstream status."""
     try:
-        response = await _send_request(session, scope["method"], url, body, headers)
-    except (aiohttp.ClientError, OSError) as exc:
+        response = await client.request(scope["method"], url, body, headers)
+    except OSError as exc:
         raise bad_gateway(
             f"backend '{backend_id}' did not answer at {url}: {exc or type(exc).__name__}. "
             "Check that it is running and listening on its proxy address."
@@ -144,7 +145,7 @@ async def forward(
         last = b"\n\n"
         pending = b""
         try:
-            async for chunk in response.content.iter_any():
+            async for chunk in response.iter_any():
                 if whole_events:
                     chunk, pending = _split_events(pending + chunk)
                 if meter is not None and chunk:
@@ -153,7 +154,7 @@ async def forward(
                     continue
                 last = chunk
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
-        except (aiohttp.ClientError, OSError, asyncio.IncompleteReadError) as exc:
+        except OSError as exc:
             if sse:
                 tail = _stream_error(last, backend_id, exc)
                 await send({"type": "http.response.body", "body": tail, "more_body": True})
@@ -166,25 +167,6 @@ async def forward(
         watch.finishing = True
         await send({"type": "http.response.body", "body": b""})
         return response.status
-
-
-async def _send_request(
-    session: aiohttp.ClientSession,
-    method: str,
-    url: str,
-    body: bytes,
-    headers: list[tuple[str, str]],
-) -> aiohttp.ClientResponse:
-    """Send once, and once more on a fresh connection if a pooled one turned out closed.
-
-    Servers such as llama-server close keep-alive connections after a few requests; the
-    pool only learns it when the next request fails before any answer came back, which
-    is safe to resend.
-    """
-    try:
-        return await session.request(method, url, data=body, headers=headers, allow_redirects=False)
-    except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError):
-        return await session.request(method, url, data=body, headers=headers, allow_redirects=False)
 
 
 def _split_events(data: bytes) -> tuple[bytes, bytes]:

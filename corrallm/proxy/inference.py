@@ -273,7 +273,7 @@ async def _forward_admitted(
     await _enter_ready(route, cause)
     try:
         return await forward(
-            gateway.session,
+            gateway.upstream,
             scope,
             send,
             upstream_url(route.endpoint.base_url, scope["path"]),
@@ -388,7 +388,7 @@ async def upstream(
         if query:
             url += "?" + query.decode("latin-1")
         headers = request_headers(scope["headers"], route.config.headers)
-        await forward(gateway.session, scope, send, url, body, headers, extra, watch, route.id)
+        await forward(gateway.upstream, scope, send, url, body, headers, extra, watch, route.id)
     except asyncio.CancelledError:
         if watch.absorb():
             return

@@ -33,7 +33,7 @@ def ask_for_usage(path: str, payload: dict[str, Any]) -> bool:
     return True
 
 
-@dataclass
+@dataclass(slots=True)
 class Meter:
     strip_usage: bool = False
     started: float = field(default_factory=time.monotonic)

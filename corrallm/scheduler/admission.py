@@ -42,7 +42,7 @@ class Rejected(Exception):
         self.reason = reason
 
 
-@dataclass
+@dataclass(slots=True)
 class StreamState:
     """How far a response has got, for safe preemption (S4).
 
@@ -56,7 +56,7 @@ class StreamState:
     shielded: bool = False
 
 
-@dataclass
+@dataclass(slots=True)
 class Ticket:
     id: int
     group: str

@@ -8,7 +8,7 @@ from typing import Literal
 Currency = Literal["requests", "slotSeconds", "tokens", "dollars"]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class GroupSpec:
     name: str
     weight: float = 1.0
@@ -17,14 +17,14 @@ class GroupSpec:
     max_queue_depth: int | None = None
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Policy:
     preempt: bool = False
     spill: bool = False
     queue: bool = False
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Request:
     id: int
     group: str
@@ -34,19 +34,19 @@ class Request:
 # -- decisions -------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Admit:
     request: int
     backend: str
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Queued:
     request: int
     backend: str
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Preempt:
     """Take `victim`'s slot on `backend`; `request` is admitted once the victim releases."""
 
@@ -55,7 +55,7 @@ class Preempt:
     backend: str
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Reject:
     request: int
     backend: str

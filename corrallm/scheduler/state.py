@@ -12,7 +12,7 @@ from corrallm.scheduler.decisions import GroupSpec, Request
 HALF_LIFE_SECONDS = 120.0  # usage decay: what a group used two minutes ago counts half
 
 
-@dataclass
+@dataclass(slots=True)
 class Running:
     request: Request
     backend: str

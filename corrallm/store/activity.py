@@ -20,7 +20,7 @@ log = logging.getLogger("corrallm.store")
 FLUSH_SECONDS = 1.0
 
 
-@dataclass
+@dataclass(slots=True)
 class Activity:
     t: float  # unix seconds when the request arrived
     kind: str  # "request" | "load"

@@ -1,0 +1,195 @@
+"""The hot path's upstream HTTP/1.1 client (proxy/client.py) against raw loopback servers
+that answer exactly what each test scripts: bodies by length, chunked and by close, interim
+1xx answers, keep-alive reuse, a pooled connection the server closed (sent again once),
+a server that breaks off mid-body or speaks no HTTP, HEAD, and backpressure."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+import pytest
+
+from corrallm.proxy.client import HIGH_WATER, Client, UpstreamError
+
+Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
+
+
+async def read_request(reader: asyncio.StreamReader) -> bytes:
+    head = await reader.readuntil(b"\r\n\r\n")
+    length = 0
+    for line in head.split(b"\r\n"):
+        if line.lower().startswith(b"content-length:"):
+            length = int(line.split(b":")[1])
+    return head + await reader.readexactly(length)
+
+
+class Server:
+    def __init__(self, handler: Handler) -> None:
+        self.handler, self.connections, self.requests = handler, 0, []
+
+    async def __aenter__(self) -> Server:
+        async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            self.connections += 1
+            try:
+                await self.handler(reader, writer)
+            except (asyncio.IncompleteReadError, ConnectionError):
+                pass
+            finally:
+                writer.close()
+
+        self.server = await asyncio.start_server(serve, "127.0.0.1", 0)
+        self.url = f"http://127.0.0.1:{self.server.sockets[0].getsockname()[1]}/v1/x"
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.server.close()
+
+
+@pytest.fixture
+async def client() -> AsyncIterator[Client]:
+    c = Client()
+    yield c
+    await c.close()
+
+
+async def fetch(client: Client, url: str, method: str = "POST") -> tuple[int, bytes]:
+    async with await client.request(method, url, b'{"a": 1}', [("X-Test", "1")]) as response:
+        return response.status, b"".join([c async for c in response.iter_any()])
+
+
+def keep_alive(answer: bytes, seen: list[bytes] | None = None) -> Handler:
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        while True:
+            request = await read_request(reader)
+            if seen is not None:
+                seen.append(request)
+            writer.write(answer)
+            await writer.drain()
+
+    return handler
+
+
+async def test_a_body_by_length_on_one_reused_connection(client):
+    seen: list[bytes] = []
+    answer = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 2\r\n\r\nok"
+    async with Server(keep_alive(answer, seen)) as server:
+        for _ in range(5):
+            assert await fetch(client, server.url) == (200, b"ok")
+        assert server.connections == 1
+    head = seen[0].split(b"\r\n")
+    assert head[0] == b"POST /v1/x HTTP/1.1" and b"X-Test: 1" in head
+    assert b"Content-Length: 8" in head and seen[0].endswith(b'{"a": 1}')
+
+
+async def test_chunked_body_arrives_chunk_by_chunk(client):
+    released = asyncio.Event()
+
+    async def handler(reader, writer):
+        await read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nfirst\r\n")
+        await writer.drain()
+        await released.wait()
+        writer.write(b"6\r\nsecond\r\n0\r\n\r\n")
+        await writer.drain()
+        await asyncio.sleep(1)
+
+    async with (
+        Server(handler) as server,
+        await client.request("POST", server.url, b"", []) as response,
+    ):
+        chunks = response.iter_any()
+        assert await asyncio.wait_for(chunks.__anext__(), 5) == b"first"  # not buffered
+        released.set()
+        assert [c async for c in chunks] == [b"second"]
+
+
+async def test_a_body_delimited_by_close_and_an_interim_100(client):
+    async def handler(reader, writer):
+        await read_request(reader)
+        writer.write(b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 200 OK\r\nConnection: close\r\n\r\n")
+        writer.write(b"until the end")
+        await writer.drain()
+
+    async with Server(handler) as server:
+        assert await fetch(client, server.url) == (200, b"until the end")
+        assert await fetch(client, server.url) == (200, b"until the end")
+        assert server.connections == 2  # a closed connection is never reused
+
+
+async def test_a_pooled_connection_the_server_closed_is_sent_again_once(client):
+    async def one_per_connection(reader, writer):
+        await read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+        await writer.drain()
+        # Closes without saying so (as llama-server does after a few requests).
+
+    async with Server(one_per_connection) as server:
+        assert await fetch(client, server.url) == (200, b"ok")
+        await asyncio.sleep(0)  # the close may or may not have been seen yet: either works
+        assert await fetch(client, server.url) == (200, b"ok")
+        assert server.connections == 2
+
+
+async def test_a_server_breaking_off_mid_body_is_an_error_not_a_short_answer(client):
+    async def handler(reader, writer):
+        await read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\npartial")
+        await writer.drain()
+
+    async with Server(handler) as server:
+        with pytest.raises(UpstreamError, match="mid-answer"):
+            await fetch(client, server.url)
+
+
+async def test_no_http_and_no_server_are_oserrors_with_a_reason(client):
+    async def garbage(reader, writer):
+        await read_request(reader)
+        writer.write(b"SSH-2.0-OpenSSH_9.2\r\n\r\n")
+        await writer.drain()
+        await asyncio.sleep(1)
+
+    async with Server(garbage) as server:
+        with pytest.raises(UpstreamError, match="not valid HTTP"):
+            await fetch(client, server.url)
+        url = server.url
+    with pytest.raises(OSError):
+        await fetch(client, url)  # nothing listens there any more
+
+
+async def test_head_answers_have_no_body_even_with_a_length(client):
+    answer = b"HTTP/1.1 200 OK\r\nContent-Length: 50\r\n\r\n"
+    async with Server(keep_alive(answer)) as server:
+        assert await fetch(client, server.url, method="HEAD") == (200, b"")
+
+
+async def test_a_slow_reader_pauses_the_backend_instead_of_buffering_everything(client):
+    size = 32 * HIGH_WATER  # well beyond what loopback socket buffers can hold
+    sent = 0
+
+    async def firehose(reader, writer):
+        nonlocal sent
+        await read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % size)
+        block = b"x" * 65536
+        while sent < size:
+            writer.write(block)
+            sent += len(block)
+            await writer.drain()
+
+    async with (
+        Server(firehose) as server,
+        await client.request("POST", server.url, b"", []) as response,
+    ):
+        chunks = response.iter_any()
+        got = len(await chunks.__anext__())
+        conn = response._conn
+        for _ in range(500):  # a deadline of 5 s for reading to be paused
+            if conn.paused:
+                break
+            await asyncio.sleep(0.01)
+        assert conn.paused and response.buffered <= HIGH_WATER + 4 * 65536
+        assert sent < size  # the server is held back, not drained into memory
+        async for chunk in chunks:
+            got += len(chunk)
+        assert got == size
