@@ -17,8 +17,6 @@ from pathlib import Path
 import orjson
 
 from corrallm.api.auth import authorized, canonical
-from corrallm.api.graphql import build_graphql
-from corrallm.api.rest import build_rest
 from corrallm.gateway import Gateway
 from corrallm.metrics import CONTENT_TYPE
 from corrallm.proxy import audio, inference, realtime, reservations
@@ -61,8 +59,8 @@ class CorrallmApp:
         self._admin_token = admin_token
         self._ids = itertools.count(1)
         self._models_body = (gateway.version, self._models_list())
-        self._management: ASGIApp = build_rest(gateway)
-        self._graphql: ASGIApp = build_graphql(gateway)
+        self._apis: dict[str, ASGIApp] = {}
+        self._building = asyncio.Lock()
         self.dashboard = Dashboard(gateway, admin_token, web_root)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -143,10 +141,22 @@ class CorrallmApp:
                 code="unauthorized",
                 headers={"www-authenticate": "Bearer"},
             )
-        if scope["path"] == "/api/graphql":
-            await self._graphql(scope, receive, send)
-        else:
-            await self._management(scope, receive, send)
+        app = await self._api("graphql" if scope["path"] == "/api/graphql" else "rest")
+        await app(scope, receive, send)
+
+    async def _api(self, name: str) -> ASGIApp:
+        """The REST or GraphQL app, built on first use in a worker thread. FastAPI and
+        Strawberry with their schemas are about 20 MB that an idle gateway need not hold
+        (SPEC §13: idle RSS <= 80 MB), and building them on the event loop would stall
+        every stream in flight for the half second it takes."""
+        app = self._apis.get(name)
+        if app is None:
+            async with self._building:
+                app = self._apis.get(name)
+                if app is None:
+                    app = await asyncio.to_thread(_API_BUILDERS[name], self.gateway)
+                    self._apis[name] = app
+        return app
 
     async def _with_body(
         self, handler: Handler, scope: Scope, receive: Receive, send: Send
@@ -204,6 +214,24 @@ class CorrallmApp:
                     await self.gateway.stop()
                 await send({"type": "lifespan.shutdown.complete"})
                 return
+
+
+def _build_rest(gateway: Gateway) -> ASGIApp:
+    from corrallm.api.rest import build_rest
+
+    return build_rest(gateway)
+
+
+def _build_graphql(gateway: Gateway) -> ASGIApp:
+    from corrallm.api.graphql import build_graphql
+
+    return build_graphql(gateway)
+
+
+_API_BUILDERS: dict[str, Callable[[Gateway], ASGIApp]] = {
+    "rest": _build_rest,
+    "graphql": _build_graphql,
+}
 
 
 def _settle_garbage_collector() -> None:

@@ -198,10 +198,7 @@ class _Connection(asyncio.Protocol):
     def finished(self, response: Response) -> None:
         """The caller is done with the answer: pool the connection if it can take more."""
         reusable = (
-            response.complete
-            and not response.head_only
-            and not self.lost
-            and self.keep_alive
+            response.complete and not response.head_only and not self.lost and self.keep_alive
         )
         self.response = None
         if reusable:
