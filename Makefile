@@ -6,7 +6,7 @@ PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
 
-.PHONY: run test lint format typecheck unit integration e2e bench install dev clean llama-server
+.PHONY: run test lint format typecheck unit integration e2e bench install dev clean llama-server litellm
 
 run: $(VENV)/.installed
 	$(BIN)/corrallm serve
@@ -36,6 +36,11 @@ bench: $(VENV)/.installed-dev
 # the binary's path. See scripts/build-llama-server.sh.
 llama-server:
 	@PYTHON=$(PYTHON) scripts/build-llama-server.sh
+
+# LiteLLM's proxy in its own cached venv, for bench/overhead.py's LiteLLM row (never a
+# dependency of corrallm); prints the executable's path. See scripts/install-litellm.sh.
+litellm:
+	@PYTHON=$(PYTHON) scripts/install-litellm.sh
 
 install: $(VENV)/.installed
 dev: $(VENV)/.installed-dev

@@ -1,10 +1,12 @@
-"""What does corrallm add on the hot path? Same load, same run: direct, corrallm, nginx.
+"""What does corrallm add on the hot path? Same load, same run: direct, corrallm, nginx,
+LiteLLM.
 
     .venv/bin/python bench/overhead.py [--requests N] [--quick] [--json]
 
 Starts the fake backend (`--fast`) and a streaming one, then sends the same load straight
 to them, through `corrallm serve` (a pure-proxy config), and through nginx `proxy_pass`
-with upstream keepalive when nginx is installed. When a real llama-server is found
+with upstream keepalive when nginx is installed, and through LiteLLM's proxy when `make
+litellm` has installed it (or CORRALLM_LITELLM names one). When a real llama-server is found
 (`make llama-server`, or CORRALLM_LLAMA_SERVER) it also serves a tiny generated model,
 measured direct and through corrallm. Prints markdown tables with ratios against the
 direct baseline measured in this run. See bench/README.md.
@@ -186,6 +188,47 @@ def start_llama_server(procs: Procs, binary: str) -> int:
     proc = procs.start("llama-server", cmd, "backend")
     procs.wait_healthy("llama-server", proc, f"http://127.0.0.1:{port}/health", timeout=60)
     return port
+
+
+def find_litellm() -> str | None:
+    """CORRALLM_LITELLM, else the proxy `make litellm` caches; None if neither."""
+    path = (
+        os.environ.get("CORRALLM_LITELLM")
+        or subprocess.run(
+            [str(ROOT / "scripts" / "install-litellm.sh"), "--path"],
+            capture_output=True,
+            text=True,
+        ).stdout.strip()
+    )
+    return path if path and os.access(path, os.X_OK) else None
+
+
+def start_litellm(procs: Procs, binary: str, fast_port: int, stream_port: int) -> Target:
+    """LiteLLM's proxy with the same two models, one worker, no database, offline."""
+    port = free_port()
+    config = procs.tmp / "litellm.yaml"
+    config.write_text(
+        "model_list:\n"
+        + "".join(
+            f"  - model_name: {name}\n"
+            f"    litellm_params: {{model: openai/{name}, "
+            f"api_base: 'http://127.0.0.1:{backend}/v1', api_key: none}}\n"
+            for name, backend in (("bench", fast_port), ("bench-stream", stream_port))
+        )
+    )
+    cmd = [binary, "--config", str(config), "--host", "127.0.0.1", "--port", str(port)]
+    cmd += ["--num_workers", "1"]
+    env = {
+        "LITELLM_LOCAL_MODEL_COST_MAP": "True",  # no fetch of the price list at start
+        "LITELLM_TELEMETRY": "False",
+        "LITELLM_LOG": "ERROR",
+        # No key, as the other paths: a loopback bench, not a deployment.
+        "LITELLM_DANGEROUSLY_PERMIT_WEAK_OR_UNSET_MASTER_KEY": "true",
+    }
+    proc = procs.start("litellm", cmd, "proxy", env=env)
+    procs.wait_healthy("litellm", proc, f"http://127.0.0.1:{port}/health/liveliness", 120)
+    url = f"http://127.0.0.1:{port}/v1/chat/completions"
+    return Target("litellm", url, url, proc.pid)
 
 
 NGINX_CONF = """daemon off;
@@ -438,7 +481,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--streams", type=int, help="concurrent streams (32)")
     p.add_argument("--max-seconds", type=float, default=600, help="wall-clock cap of the run")
     p.add_argument(
-        "--only", default="direct,corrallm,nginx,llama", help="paths and the llama-server row"
+        "--only",
+        default="direct,corrallm,nginx,litellm,llama",
+        help="paths and the llama-server row",
     )
     p.add_argument("--no-pin", action="store_true", help="do not pin processes to CPUs")
     p.add_argument("--json", action="store_true", help="also print the results as JSON")
@@ -500,6 +545,14 @@ def run(args: argparse.Namespace, tmp: Path) -> tuple[dict[str, dict[str, Any]],
                 targets.append(start_nginx(procs, nginx, fast_port, stream_port))
             except RuntimeError as exc:
                 notes.append(f"nginx row skipped: {exc}")
+        litellm = find_litellm() if "litellm" in wanted else None
+        if "litellm" in wanted and litellm is None:
+            notes.append("LiteLLM row skipped: not installed (`make litellm` installs it)")
+        elif litellm is not None:
+            try:
+                targets.append(start_litellm(procs, litellm, fast_port, stream_port))
+            except RuntimeError as exc:
+                notes.append(f"LiteLLM row skipped: {exc}")
         wrk = shutil.which("wrk")
         if wrk is None:
             notes.append("wrk not found (`apt-get install -y wrk`): throughput from aiohttp")
@@ -520,6 +573,10 @@ def run(args: argparse.Namespace, tmp: Path) -> tuple[dict[str, dict[str, Any]],
                         res[t.name][phase] = getattr(bench, phase)(t)
         except OutOfTime:
             notes.append(f"stopped early: --max-seconds {args.max_seconds:g} reached")
+        ours, theirs = (res.get(n, {}).get("throughput") for n in ("corrallm", "litellm"))
+        if ours and theirs and theirs["rps"]:
+            ratio = ours["rps"] / theirs["rps"]
+            notes.append(f"corrallm throughput = {ratio:.1f}x LiteLLM's (SPEC §13: at least 5x)")
         for t in targets:
             if t.pid:
                 res[t.name]["rss_peak_mb"] = rss_mb(t.pid, "VmHWM")
