@@ -35,7 +35,7 @@ ROOT = Path(__file__).resolve().parent.parent
 LOADGEN = Path(__file__).resolve().parent / "loadgen.py"
 PY = sys.executable
 PROMPT = [{"role": "user", "content": "Hello, how are you today?"}]
-STREAM_TOKENS, TOKEN_DELAY = 64, 0.001
+STREAM_TOKENS = 64
 LLAMA_MAX_TOKENS = 4
 
 
@@ -431,7 +431,7 @@ def report(res: dict[str, dict[str, Any]], notes: list[str], args: argparse.Name
     if st:
         out += [
             f"### Streaming: {args.streams} concurrent streams x {STREAM_TOKENS} tokens, "
-            f"{TOKEN_DELAY * 1000:g} ms apart at the backend",
+            f"{args.token_delay * 1000:g} ms apart at the backend",
             "",
             "| path | TTFT p50 ms | TTFT p99 ms | added TTFT p50 ms | inter-chunk p50 ms "
             "| inter-chunk p99 ms | added p50 ms | added p99 ms | streams | errors |",
@@ -479,6 +479,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--concurrency", type=int, default=64, help="connections, throughput run")
     p.add_argument("--duration", type=int, help="seconds of the wrk throughput run (5)")
     p.add_argument("--streams", type=int, help="concurrent streams (32)")
+    p.add_argument(
+        "--token-delay",
+        type=float,
+        default=0.001,
+        help="seconds between streamed tokens at the backend (0.001; 0.025 is a 40 tok/s LLM)",
+    )
     p.add_argument("--max-seconds", type=float, default=600, help="wall-clock cap of the run")
     p.add_argument(
         "--only",
@@ -509,7 +515,7 @@ def run(args: argparse.Namespace, tmp: Path) -> tuple[dict[str, dict[str, Any]],
         fake = [PY, "-m", "corrallm", "fake-backend"]
         fast = procs.start("fast", [*fake, "--port", str(fast_port), "--fast"], "backend")
         stream_cmd = [*fake, "--port", str(stream_port), "--model-name", "bench-stream"]
-        stream_cmd += ["--tokens", str(STREAM_TOKENS), "--token-delay", str(TOKEN_DELAY)]
+        stream_cmd += ["--tokens", str(STREAM_TOKENS), "--token-delay", str(args.token_delay)]
         slow = procs.start("stream", stream_cmd, "backend")
         procs.wait_healthy("fast", fast, f"http://127.0.0.1:{fast_port}/health")
         procs.wait_healthy("stream", slow, f"http://127.0.0.1:{stream_port}/health")
