@@ -164,14 +164,13 @@ def start_corrallm(
     return Target("corrallm", url, url, proc.pid, url if llama_port else None)
 
 
-def find_llama_server() -> str | None:
-    """CORRALLM_LLAMA_SERVER, else the binary `make llama-server` caches; None if neither."""
+def find_cached(variable: str, script: str) -> str | None:
+    """The executable `variable` names, else where `scripts/<script> --path` caches it;
+    None if neither is there."""
     path = (
-        os.environ.get("CORRALLM_LLAMA_SERVER")
+        os.environ.get(variable)
         or subprocess.run(
-            [str(ROOT / "scripts" / "build-llama-server.sh"), "--path"],
-            capture_output=True,
-            text=True,
+            [str(ROOT / "scripts" / script), "--path"], capture_output=True, text=True
         ).stdout.strip()
     )
     return path if path and os.access(path, os.X_OK) else None
@@ -188,19 +187,6 @@ def start_llama_server(procs: Procs, binary: str) -> int:
     proc = procs.start("llama-server", cmd, "backend")
     procs.wait_healthy("llama-server", proc, f"http://127.0.0.1:{port}/health", timeout=60)
     return port
-
-
-def find_litellm() -> str | None:
-    """CORRALLM_LITELLM, else the proxy `make litellm` caches; None if neither."""
-    path = (
-        os.environ.get("CORRALLM_LITELLM")
-        or subprocess.run(
-            [str(ROOT / "scripts" / "install-litellm.sh"), "--path"],
-            capture_output=True,
-            text=True,
-        ).stdout.strip()
-    )
-    return path if path and os.access(path, os.X_OK) else None
 
 
 def start_litellm(procs: Procs, binary: str, fast_port: int, stream_port: int) -> Target:
@@ -521,7 +507,11 @@ def run(args: argparse.Namespace, tmp: Path) -> tuple[dict[str, dict[str, Any]],
         procs.wait_healthy("stream", slow, f"http://127.0.0.1:{stream_port}/health")
         path = "/v1/chat/completions"
         llama_port = None
-        llama = find_llama_server() if "llama" in wanted else None
+        llama = (
+            find_cached("CORRALLM_LLAMA_SERVER", "build-llama-server.sh")
+            if "llama" in wanted
+            else None
+        )
         if "llama" in wanted and llama is None:
             notes.append("llama-server row skipped: no binary (`make llama-server` builds it)")
         elif llama is not None:
@@ -551,7 +541,9 @@ def run(args: argparse.Namespace, tmp: Path) -> tuple[dict[str, dict[str, Any]],
                 targets.append(start_nginx(procs, nginx, fast_port, stream_port))
             except RuntimeError as exc:
                 notes.append(f"nginx row skipped: {exc}")
-        litellm = find_litellm() if "litellm" in wanted else None
+        litellm = (
+            find_cached("CORRALLM_LITELLM", "install-litellm.sh") if "litellm" in wanted else None
+        )
         if "litellm" in wanted and litellm is None:
             notes.append("LiteLLM row skipped: not installed (`make litellm` installs it)")
         elif litellm is not None:

@@ -247,9 +247,7 @@ class Client:
             try:
                 return await self._exchange(conn, data, head_only)
             except ServerDisconnected:
-                pass
-            except ConnectionResetError:
-                pass
+                pass  # nothing came back: resend, once, on a fresh connection
         return await self._exchange(await self._connect(key), data, head_only)
 
     async def _exchange(self, conn: _Connection, data: bytes, head_only: bool) -> Response:
