@@ -11,11 +11,12 @@ import pytest
 from playwright.sync_api import Browser, Page, sync_playwright
 
 from tests.support.browser import ARGS, CHROMIUM
+from tests.support.tiers import without_chromium
 
 
 @pytest.fixture(scope="module")
 def browser() -> Iterator[Browser]:
-    assert shutil.which(CHROMIUM), "install Debian's chromium (apt-get install chromium)"
+    assert shutil.which(CHROMIUM), without_chromium()
     with sync_playwright() as pw:
         browser = pw.chromium.launch(executable_path=CHROMIUM, args=ARGS)
         try:

@@ -3,7 +3,8 @@ examples/audio: espeak-ng speaks digit strings (TTS, via the openai SDK), Pocket
 transcribes them back (batch via the SDK, realtime via a WebSocket client), and the
 diarizer tells two voices apart. Transcripts and word error rates are printed (`-s`).
 
-Needs Debian's espeak-ng (`.ci/run` installs it) and the `pocketsphinx` wheel (dev extra).
+Needs Debian's espeak-ng (`.ci/run` installs it; skipped loudly without it elsewhere) and
+the `pocketsphinx` wheel (dev extra).
 """
 
 from __future__ import annotations
@@ -24,7 +25,9 @@ import websockets
 
 from tests.support.processes import Gateway, running_gateway
 from tests.support.speech import word_error_rate
+from tests.support.tiers import tier, without_espeak
 
+pytestmark = tier(without_espeak())
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "audio"
 STT = f"{sys.executable} {EXAMPLES / 'stt_server.py'} --port ${{PORT}} --vocabulary digits"
 TTS = f"{sys.executable} {EXAMPLES / 'tts_server.py'} --port ${{PORT}}"
@@ -59,7 +62,7 @@ def digit_strings(count: int, length: int, seed: int) -> list[str]:
 
 @pytest.fixture(scope="module")
 def gw(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
-    assert shutil.which("espeak-ng"), "install Debian's espeak-ng (apt-get install espeak-ng)"
+    assert shutil.which("espeak-ng"), without_espeak()
     with running_gateway(CONFIG, tmp_path_factory.mktemp("audio")) as gateway:
         yield gateway
 

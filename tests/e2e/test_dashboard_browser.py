@@ -10,8 +10,10 @@ from pathlib import Path
 import httpx
 from playwright.sync_api import Page, expect
 
-from tests.support.browser import sign_in
+from tests.support.browser import BROWSER_TIER, sign_in
 from tests.support.processes import fake_cmd
+
+pytestmark = BROWSER_TIER
 
 SECTIONS = ("overview", "residency", "lanes", "usage", "logs", "economics", "definitions")
 

@@ -12,8 +12,10 @@ from pathlib import Path
 
 from playwright.sync_api import Page, expect
 
-from tests.support.browser import sign_in
+from tests.support.browser import BROWSER_TIER, sign_in
 from tests.support.processes import fake_cmd
+
+pytestmark = BROWSER_TIER
 
 CONFIG = f"""
 commandCosts:

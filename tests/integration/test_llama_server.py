@@ -22,12 +22,13 @@ import pytest
 from corrallm.lifecycle.logs import LogBuffer
 from tests.support.llama import find_llama_server, llama_cmd, missing_reason, running_llama_server
 from tests.support.processes import Gateway, group_alive, wait_for
+from tests.support.tiers import tier
 from tests.support.tiny_gguf import write_tiny_gguf
 
 BINARY = find_llama_server()
 pytestmark = [
     pytest.mark.llama,
-    pytest.mark.skipif(BINARY is None, reason=missing_reason()),
+    tier(missing_reason() if BINARY is None else None),
 ]
 HI = [{"role": "user", "content": "Say hi."}]
 Factory = Callable[..., Gateway]
