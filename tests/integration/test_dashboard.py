@@ -227,7 +227,7 @@ def test_D1_economics_counts_wakes_and_sleeps_into_the_store(gw, signed_in):
     assert rows[0]["wake_seconds_last"] >= 0.2  # the fake backend's load time
 
 
-def test_D1_economics_counters_survive_a_restart(gateway_factory, tmp_path, signed_in):
+def test_D1_C5_economics_counters_survive_a_restart(gateway_factory, tmp_path, signed_in):
     from tests.support.processes import cleanup
 
     first = gateway_factory(CONFIG, home=tmp_path / "shared-home")

@@ -106,7 +106,7 @@ def test_P1_F3_pause_unloads_and_answers_503_paused_without_retry_after(gw):
     assert chat(gw, "m").status_code == 200
 
 
-def test_P1_pauses_survive_a_restart_and_keep_a_pinned_model_from_preloading(gateway_factory):
+def test_P1_C5_pauses_survive_a_restart_and_keep_a_pinned_model_from_preloading(gateway_factory):
     first = gateway_factory(CONFIG)
     wait_for(lambda: first.state("pinned#0") == "ready", 20, what="preload")
     assert first.api("POST", "models/pause", {"model": "pinned"}).status_code == 200

@@ -128,7 +128,7 @@ def test_S6_a_lane_over_its_spend_limit_gets_429_and_others_are_unaffected(gw):
     assert lanes["coders"]["spend_usd_window"] == 0  # no spendLimit: no window
 
 
-def test_S6_spend_in_the_window_survives_a_restart(gateway_factory, fake_backend):
+def test_S6_C5_spend_in_the_window_survives_a_restart(gateway_factory, fake_backend):
     text = CONFIG.format(local=fake_cmd(), paid_port=fake_backend.port)
     first = gateway_factory(text)
     assert chat(first, "paid", "cheap-key", max_tokens=40).status_code == 200
