@@ -101,8 +101,7 @@ class Gateway:
     def stale(self, route: Route) -> bool:
         """Whether a route taken before a config reload no longer leads to a backend of
         the config in force (removed, or replaced by one with a new spec)."""
-        current = self.routes.get(route.id)
-        return current is None or getattr(route.endpoint, "retired", False)
+        return route.id not in self.routes or getattr(route.endpoint, "retired", False)
 
     # -- built once ------------------------------------------------------------------
 
