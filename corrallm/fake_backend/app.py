@@ -173,7 +173,12 @@ class FakeBackend:
         elif path == "/debug/requests":
             await ex.respond(200, orjson.dumps(list(self.requests)))
         elif path == "/debug/stats":
-            body = {**self.stats, "health_checks": self.health_checks, "loaded": self.loaded()}
+            body = {
+                **self.stats,
+                "health_checks": self.health_checks,
+                "loaded": self.loaded(),
+                "ready_at": self.ready_at,  # monotonic: comparable across processes here
+            }
             await ex.respond(200, orjson.dumps(body))
         else:
             await ex.respond(404, r.error_body(f"File Not Found: {path}", "not_found_error", 404))

@@ -35,7 +35,7 @@ Room = Callable[["Supervisor"], Awaitable[None]]
 # Who asked for a start, charged for its load energy: (key name, group, model).
 Cause = tuple[str | None, str, str]
 
-HEALTH_POLL_SECONDS = 0.1  # L1: readiness seen within 250 ms of the backend turning healthy
+HEALTH_POLL_SECONDS = 0.05  # L1: within 250 ms; §13: first byte within 100 ms of healthy
 LOG_TAIL_LINES = 15
 
 
