@@ -56,7 +56,9 @@ class Meter:
             self.first_byte = time.monotonic()
         if self.sse:
             self.events += data.count(b"\n\n")
-            if b'"usage"' in data:
+            # Only a usage object is worth parsing; with include_usage every other chunk
+            # carries `"usage": null`, and parsing those was a tenth of a stream's cost.
+            if b'"usage":{' in data or b'"usage": {' in data:
                 data = self._usage_events(data)
             if self.strip_usage and b'"usage":' in data:
                 # With include_usage every chunk carries `"usage": null`: not for this client.
