@@ -1,12 +1,16 @@
 """The hot path's upstream HTTP/1.1 client (proxy/client.py) against raw loopback servers
 that answer exactly what each test scripts: bodies by length, chunked and by close, interim
 1xx answers, keep-alive reuse, a pooled connection the server closed (sent again once),
-a server that breaks off mid-body or speaks no HTTP, HEAD, and backpressure."""
+a server that breaks off mid-body or speaks no HTTP, HEAD, backpressure, and HTTPS."""
 
 from __future__ import annotations
 
 import asyncio
+import shutil
+import ssl
+import subprocess
 from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
 
 import pytest
 
@@ -199,3 +203,39 @@ async def test_a_slow_reader_pauses_the_backend_instead_of_buffering_everything(
         async for chunk in chunks:
             got += len(chunk)
         assert got == size
+
+
+@pytest.fixture
+def certificate(tmp_path: Path) -> tuple[Path, Path]:
+    """A self-signed certificate for localhost, made with Debian's openssl."""
+    openssl = shutil.which("openssl")
+    assert openssl, "the HTTPS test makes its certificate with openssl (apt-get install openssl)"
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    request = ["req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj"]
+    names = ["/CN=localhost", "-addext", "subjectAltName=DNS:localhost,IP:127.0.0.1"]
+    files = ["-keyout", str(key), "-out", str(cert)]
+    subprocess.run([openssl, *request, *names, *files], check=True, capture_output=True)
+    return cert, key
+
+
+async def test_https_upstreams_are_verified_against_the_system_trust(certificate, monkeypatch):
+    # Paid backends (api.openai.com and the like) are HTTPS: the certificate is checked
+    # against the system's trust store, which SSL_CERT_FILE points at here.
+    cert, key = certificate
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    context.load_cert_chain(cert, key)
+    answer = b"HTTP/1.1 200 OK\r\nContent-Length: 6\r\n\r\nsecret"
+    server = await asyncio.start_server(keep_alive(answer), "127.0.0.1", 0, ssl=context)
+    url = f"https://localhost:{server.sockets[0].getsockname()[1]}/v1/x"
+    try:
+        untrusting = Client()
+        with pytest.raises(ssl.SSLCertVerificationError):
+            await fetch(untrusting, url)  # not in the trust store: refused, not sent
+        await untrusting.close()
+        monkeypatch.setenv("SSL_CERT_FILE", str(cert))
+        trusting = Client()
+        assert await fetch(trusting, url) == (200, b"secret")
+        assert await fetch(trusting, url) == (200, b"secret")  # the TLS connection is reused
+        await trusting.close()
+    finally:
+        server.close()
