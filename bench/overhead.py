@@ -380,25 +380,33 @@ def _minus(row: dict[str, Any], base: dict[str, Any] | None, key: str) -> float 
     return float(row[key] - base[key])
 
 
+def _latency_table(title: str, res: dict[str, dict[str, Any]], phase: str) -> list[str]:
+    """A concurrency-1 latency phase as a table, with what each path adds to direct."""
+    rows = {n: r[phase] for n, r in res.items() if phase in r}
+    if not rows:
+        return []
+    out = [
+        f"### {title}",
+        "",
+        "| path | p50 ms | p99 ms | mean ms | added p50 ms | added p99 ms | errors |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    base = res.get("direct", {}).get(phase)
+    for n, r in rows.items():
+        added = [_minus(r, base, k) for k in ("p50", "p99")]
+        out.append(
+            f"| {n} | {_f(r['p50'], 3)} | {_f(r['p99'], 3)} | {_f(r['mean'], 3)} "
+            f"| {_f(added[0], 3)} | {_f(added[1], 3)} | {r['errors']} |"
+        )
+    return [*out, ""]
+
+
 def report(res: dict[str, dict[str, Any]], notes: list[str], args: argparse.Namespace) -> str:
     base = res.get("direct", {})
     out = []
-    lat = {n: r["latency"] for n, r in res.items() if "latency" in r}
-    if lat:
-        out += [
-            f"### Non-streaming chat completion, concurrency 1 ({args.requests} requests)",
-            "",
-            "| path | p50 ms | p99 ms | mean ms | added p50 ms | added p99 ms | errors |",
-            "|---|---:|---:|---:|---:|---:|---:|",
-        ]
-        b = base.get("latency")
-        for n, r in lat.items():
-            added = [_minus(r, b, k) for k in ("p50", "p99")]
-            out.append(
-                f"| {n} | {_f(r['p50'], 3)} | {_f(r['p99'], 3)} | {_f(r['mean'], 3)} "
-                f"| {_f(added[0], 3)} | {_f(added[1], 3)} | {r['errors']} |"
-            )
-        out.append("")
+    out += _latency_table(
+        f"Non-streaming chat completion, concurrency 1 ({args.requests} requests)", res, "latency"
+    )
     thr = {n: r["throughput"] for n, r in res.items() if "throughput" in r}
     if thr:
         tool = next(iter(thr.values()))["tool"]
@@ -432,23 +440,11 @@ def report(res: dict[str, dict[str, Any]], notes: list[str], args: argparse.Name
                 f"| {_f(d['gap_p99'], 3)} | {r['streams']} | {r['errors']} |"
             )
         out.append("")
-    ll = {n: r["llama"] for n, r in res.items() if "llama" in r}
-    if ll:
-        out += [
-            f"### Real backend: llama-server, tiny model, max_tokens {LLAMA_MAX_TOKENS}, "
-            "concurrency 1",
-            "",
-            "| path | p50 ms | p99 ms | mean ms | added p50 ms | added p99 ms | errors |",
-            "|---|---:|---:|---:|---:|---:|---:|",
-        ]
-        b = base.get("llama")
-        for n, r in ll.items():
-            added = [_minus(r, b, k) for k in ("p50", "p99")]
-            out.append(
-                f"| {n} | {_f(r['p50'], 3)} | {_f(r['p99'], 3)} | {_f(r['mean'], 3)} "
-                f"| {_f(added[0], 3)} | {_f(added[1], 3)} | {r['errors']} |"
-            )
-        out.append("")
+    out += _latency_table(
+        f"Real backend: llama-server, tiny model, max_tokens {LLAMA_MAX_TOKENS}, concurrency 1",
+        res,
+        "llama",
+    )
     out += [f"- {n}" for n in notes]
     return "\n".join(out)
 
