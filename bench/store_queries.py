@@ -4,20 +4,20 @@ under a second each)
     .venv/bin/python bench/store_queries.py [--rows 5000000] [--repeat 5] [--plans]
 
 Builds a store in a temporary folder (removed afterwards) through `Store.open()`, so the
-schema is exactly the gateway's (all migrations, indexes, rollup trigger), then fills it
+schema is exactly the gateway's (all migrations and indexes), then fills it
 as if corrallm had run for `--days` (30): `--rows` activity rows in time order, 50 keys
 in 8 groups (a key belongs to one group; 2% of requests carry no key), 20 models, 1% of
 rows `load` rows; and a queue-depth sample for each of `--queue-backends` (20) backends
-every 5 s. Rows go in with `executemany`, 500,000 per transaction, with the indexes and
-the trigger dropped; then the indexes are built and the rollups backfilled with the
-migration's own statements (what migration 3 does to an existing store), and the trigger
-is put back.
+every 5 s. Rows go in with `executemany`, 500,000 per transaction, with the indexes
+dropped; then the indexes are built and the rollups backfilled with migration 3's own
+statements (what it does to an existing store).
 
 Then each query of `corrallm/store/queries.py` runs `--repeat` times through the store's
 thread, as the API calls it, over the last 24 h, 7 d and 30 d (series with the API's
 default bucket for the range); the table gives median and max in ms (the first, cold run
-included in max). Last, the writer's cost: a 1,000-row flush with and without the
-rollup trigger (the statement alone, on the store's thread).
+included in max). Last, the writer's cost: a 1,000-row flush with its rollups summed per
+batch (the writer now), under migration 3's per-row trigger (before migration 5), and the
+rows alone, on the store's thread.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from corrallm.store import queries
+from corrallm.store import activity, queries
 from corrallm.store.activity import INSERT
 from corrallm.store.db import MIGRATIONS, Store
 
@@ -238,26 +238,37 @@ class PlanStore(Store):
 
 
 async def writer_cost(store: Store, now: float) -> str:
-    """A 1,000-row batch insert, as ActivityLog's flush sends it, with and without the
-    rollup trigger."""
-    (trigger,) = await store.query("SELECT sql FROM sqlite_master WHERE name = 'activity_rollup'")
+    """A 1,000-row flush as ActivityLog sends it (the rows, then the rollup upserts it sums
+    per hour and key or model), beside the same rows under migration 3's per-row trigger
+    (what the writer did before migration 5), and the rows alone."""
+    trigger = next(s for s in MIGRATIONS[2] if "CREATE TRIGGER" in s)
     batch = list(activity_rows(1000, now, 1.0, seed=2))
 
-    async def flush() -> float:
-        t0 = time.perf_counter()
-        await store.execute_many(INSERT, batch)
-        return (time.perf_counter() - t0) * 1000
+    def rows_alone() -> Awaitable[None]:
+        return store.execute_many(INSERT, batch)
 
-    with_trigger, without = [], []
-    for _ in range(5):  # alternating, so both see the same cache and file size
-        with_trigger.append(await flush())
-        await store.execute("DROP TRIGGER activity_rollup")
-        without.append(await flush())
-        await store.execute(trigger["sql"])
+    summed: list[float] = []
+    triggered: list[float] = []
+    alone: list[float] = []
+    ways: list[tuple[list[float], Callable[[], Awaitable[None]], bool]] = [
+        (summed, lambda: activity.write(store, batch), False),
+        (triggered, rows_alone, True),  # the same statement, with the trigger in place
+        (alone, rows_alone, False),
+    ]
+    for round_ in range(9):  # each in every position in turn: WAL checkpoints hit all alike
+        for times, write, trigger_on in ways[round_ % 3 :] + ways[: round_ % 3]:
+            if trigger_on:
+                await store.execute(trigger)
+            t0 = time.perf_counter()
+            await write()
+            times.append((time.perf_counter() - t0) * 1000)
+            if trigger_on:
+                await store.execute("DROP TRIGGER activity_rollup")
+    med = statistics.median
     return (
-        f"Writer: a 1,000-row batch insert takes {statistics.median(with_trigger):.1f} ms with "
-        f"the rollup trigger, {statistics.median(without):.1f} ms without (medians of 5, "
-        "alternating)."
+        f"Writer: a 1,000-row flush takes {med(summed):.1f} ms with its rollups summed per "
+        f"batch (the writer now), {med(triggered):.1f} ms with migration 3's per-row trigger "
+        f"(before), {med(alone):.1f} ms for the rows alone (medians of 9, order rotated)."
     )
 
 

@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass, fields
 from operator import attrgetter
+from typing import Any
 
 from corrallm.store.db import Store
 
@@ -49,6 +51,61 @@ COLUMNS = tuple(f.name for f in fields(Activity))
 _VALUES = attrgetter(*COLUMNS)  # ten times faster than dataclasses.astuple
 INSERT = f"INSERT INTO activity ({', '.join(COLUMNS)}) VALUES ({', '.join('?' * len(COLUMNS))})"
 
+# The hourly rollups (SPEC §9 C4): what a batch adds, summed per hour and key or model.
+_SUMS = ("requests", "prompt_tokens", "completion_tokens", "bytes", "energy_wh", "cost_usd")
+_SUMS += ("dwell_ms",)
+_T, _KIND, _KEY, _GRP, _MODEL, _DWELL = (
+    COLUMNS.index(c) for c in ("t", "kind", "key", "grp", "model", "dwell_ms")
+)
+_ADDED = tuple(COLUMNS.index(c) for c in _SUMS[1:-1])  # summed as they are, every kind
+
+
+def _upsert(table: str, identity: str) -> str:
+    added = ", ".join(f"{c} = {c} + excluded.{c}" for c in _SUMS)
+    return (
+        f"INSERT INTO {table} VALUES ({', '.join('?' * 10)}) "
+        f"ON CONFLICT ({identity}) DO UPDATE SET {added}"
+    )
+
+
+UPSERT_KEY_HOUR = _upsert("usage_key_hour", "hour, key, grp")
+UPSERT_MODEL_HOUR = _upsert("usage_model_hour", "hour, grp, model")
+
+
+def rollups(rows: Sequence[Sequence[Any]]) -> tuple[list[tuple[Any, ...]], list[tuple[Any, ...]]]:
+    """The rollup rows a batch of activity rows (column order of COLUMNS) adds to: per UTC
+    hour and (key, group), and per hour and (group, model). Requests count and dwell only
+    for `request` rows; tokens, bytes, energy and cost for every row (a `load` row's energy
+    is part of its lane's bill). A row without a key counts under ''."""
+    by_key: dict[tuple[Any, ...], list[Any]] = {}
+    by_model: dict[tuple[Any, ...], list[Any]] = {}
+    for row in rows:
+        hour = int(row[_T]) // 3600 * 3600
+        request = row[_KIND] == "request"
+        delta = (int(request), *(row[i] for i in _ADDED), row[_DWELL] if request else 0.0)
+        for table, identity in (
+            (by_key, (hour, row[_KEY] or "", row[_GRP])),
+            (by_model, (hour, row[_GRP], row[_MODEL])),
+        ):
+            sums = table.get(identity)
+            if sums is None:
+                table[identity] = list(delta)
+            else:
+                for i, value in enumerate(delta):
+                    sums[i] += value
+    return (
+        [(*identity, *sums) for identity, sums in by_key.items()],
+        [(*identity, *sums) for identity, sums in by_model.items()],
+    )
+
+
+async def write(store: Store, rows: Sequence[Sequence[Any]]) -> None:
+    """Activity rows and what they add to the rollups, in one transaction."""
+    by_key, by_model = rollups(rows)
+    await store.execute_batches(
+        [(INSERT, rows), (UPSERT_KEY_HOUR, by_key), (UPSERT_MODEL_HOUR, by_model)]
+    )
+
 
 class ActivityLog:
     """The one writer of the activity table."""
@@ -76,7 +133,7 @@ class ActivityLog:
             return
         rows, self._pending = self._pending, []
         try:
-            await self.store.execute_many(INSERT, [_VALUES(r) for r in rows])
+            await write(self.store, [_VALUES(r) for r in rows])
         except Exception:
             self._pending[:0] = rows  # nothing is lost: they go first next time
             raise

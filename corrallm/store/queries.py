@@ -2,8 +2,8 @@
 
 Every range is half-open, `since <= t < until`, in unix seconds. Usage sums read whole
 UTC hours from the hourly rollups (`usage_key_hour`, `usage_model_hour`, kept by the
-trigger of migration 3) and the raw `activity` rows of the partial hours at either end,
-so a 30-day range reads a row per hour and combination, not one per request (every raw
+activity writer) and the raw `activity` rows of the partial hours at either end, so a
+30-day range reads a row per hour and combination, not one per request (every raw
 read goes through the `activity_t` index, named so that no plan can pick another).
 Series buckets are aligned to multiples of their length since the epoch (a day bucket
 starts at 00:00 UTC); a bucket that is not a whole number of hours is summed from the
@@ -30,7 +30,8 @@ ACTIVITY_FIELDS = (
 )
 FLAGS = ("estimated", "degraded", "spilled", "preempted")
 
-# One activity row as rollup columns: the trigger's arithmetic, for the partial hours.
+# One activity row as rollup columns, for the partial hours: the writer's arithmetic
+# (`activity.rollups`).
 _RAW = (
     "kind = 'request', prompt_tokens, completion_tokens, bytes, energy_wh, cost_usd, "
     "CASE WHEN kind = 'request' THEN dwell_ms ELSE 0 END"
@@ -51,7 +52,7 @@ def whole_hours(since: float, until: float, bucket: int = HOUR) -> tuple[float, 
     and `[h1, until)`. Empty (`h0 == h1 == until`) when no whole hour fits in the range or
     the bucket is not a whole number of hours.
 
-    Integer arithmetic on `floor(t)`, as in the trigger, so a row is in exactly one part."""
+    Integer arithmetic on `floor(t)`, as in the writer, so a row is in exactly one part."""
     h0 = -(-math.ceil(since) // HOUR) * HOUR
     h1 = math.floor(until) // HOUR * HOUR
     if bucket % HOUR or h0 >= h1:

@@ -14,7 +14,7 @@ import pytest
 
 from corrallm.api.service import ServiceError
 from corrallm.api.usage import parse_bucket, parse_time, time_range
-from corrallm.store import queries
+from corrallm.store import activity, queries
 from corrallm.store.activity import INSERT, Activity, ActivityLog
 from corrallm.store.db import MIGRATIONS, Store
 
@@ -375,9 +375,14 @@ async def test_C3_a_failed_batch_writes_nothing(store):
         None,
     )
     with pytest.raises(sqlite3.IntegrityError):
-        await store.execute_many(INSERT, [good, good, bad])
+        await activity.write(store, [good, good, bad])  # rows and rollups: all or nothing
     assert await store.query("SELECT id FROM activity") == []
     assert await store.query("SELECT hour FROM usage_key_hour") == []
+    assert await store.query("SELECT hour FROM usage_model_hour") == []
+    await activity.write(store, [good, good])
+    assert len(await store.query("SELECT id FROM activity")) == 2
+    rolled = await store.query("SELECT requests FROM usage_key_hour")
+    assert [r["requests"] for r in rolled] == [2]  # one upsert summing the batch
 
 
 # -- parameters (service layer) ---------------------------------------------------------
