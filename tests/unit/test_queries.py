@@ -4,13 +4,17 @@ parsing of `since`, `until`, `bucket` and `limit`."""
 
 from __future__ import annotations
 
+import asyncio
 import random
 import sqlite3
+import time
 from collections import defaultdict
 from dataclasses import astuple
 from typing import Any
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from corrallm.api.service import ServiceError
 from corrallm.api.usage import parse_bucket, parse_time, time_range
@@ -464,3 +468,55 @@ def test_C4_a_bucket_giving_too_many_points_is_a_400_suggesting_one_that_fits():
         parse_bucket("1s", NOW - 30 * 86400, NOW)
     assert "at least 260s" in err.value.message
     assert parse_bucket("260s", NOW - 30 * 86400, NOW) == 260
+
+
+def _row(t, load, key, grp, model, dwell, prompt, completion, size, wh, usd) -> Activity:
+    kind = "load" if load else "request"
+    return Activity(t, kind, key, grp, model, None, "/v1/x", 200, dwell_ms=dwell,
+                    prompt_tokens=prompt, completion_tokens=completion, bytes=size,
+                    energy_wh=wh, cost_usd=usd)  # fmt: skip
+
+
+_ROWS = st.lists(
+    st.builds(
+        _row,
+        st.floats(T0, T0 + 5 * H, allow_nan=False),
+        st.booleans(),
+        st.sampled_from([None, "k1", "k2"]),
+        st.sampled_from(["g1", "g2"]),
+        st.sampled_from(["m1", "m2"]),
+        st.floats(0, 1e4, allow_nan=False),
+        st.integers(0, 10**6),
+        st.integers(0, 10**6),
+        st.integers(0, 10**9),
+        st.floats(0, 10, allow_nan=False),
+        st.floats(0, 10, allow_nan=False),
+    ),
+    max_size=40,
+)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck))
+@given(batches=st.lists(_ROWS, max_size=4))
+def test_C4_rollups_summed_per_flush_equal_migration_3s_sums_over_the_rows(tmp_path, batches):
+    # The writer's arithmetic must be what migration 3 backfills from raw rows (and what
+    # its per-row trigger kept until migration 5): same hours, keys, sums.
+    async def check() -> None:
+        store = Store(tmp_path / f"r{time.monotonic_ns()}.db")
+        await store.open()
+        try:
+            for batch in batches:
+                await write(store, *batch)
+            backfill = [s for s in MIGRATIONS[2] if s.lstrip().startswith("INSERT")]
+            for table, sql in zip(("usage_key_hour", "usage_model_hour"), backfill, strict=True):
+                kept = await store.query(f"SELECT * FROM {table} ORDER BY 1, 2, 3")
+                expected = await store.query(
+                    sql.split(f"INSERT INTO {table}")[1] + " ORDER BY 1, 2, 3"
+                )
+                assert [tuple(r)[:7] for r in kept] == [tuple(r)[:7] for r in expected]
+                for got, want in zip(kept, expected, strict=True):
+                    assert tuple(got)[7:] == pytest.approx(tuple(want)[7:])
+        finally:
+            await store.close()
+
+    asyncio.run(check())
