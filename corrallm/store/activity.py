@@ -52,8 +52,15 @@ _VALUES = attrgetter(*COLUMNS)  # ten times faster than dataclasses.astuple
 INSERT = f"INSERT INTO activity ({', '.join(COLUMNS)}) VALUES ({', '.join('?' * len(COLUMNS))})"
 
 # The hourly rollups (SPEC §9 C4): what a batch adds, summed per hour and key or model.
-_SUMS = ("requests", "prompt_tokens", "completion_tokens", "bytes", "energy_wh", "cost_usd")
-_SUMS += ("dwell_ms",)
+_SUMS = (
+    "requests",  # request rows only
+    "prompt_tokens",
+    "completion_tokens",
+    "bytes",
+    "energy_wh",
+    "cost_usd",
+    "dwell_ms",  # request rows only
+)
 _T, _KIND, _KEY, _GRP, _MODEL, _DWELL = (
     COLUMNS.index(c) for c in ("t", "kind", "key", "grp", "model", "dwell_ms")
 )

@@ -7,7 +7,7 @@ import argparse
 import contextlib
 import time
 from collections.abc import AsyncIterator
-from typing import Any, Protocol
+from typing import Protocol
 
 from starlette.applications import Starlette
 from starlette.requests import Request
@@ -21,18 +21,8 @@ class ApiError(Exception):
         self.status, self.message, self.param = status, message, param
 
     def response(self) -> JSONResponse:
-        return JSONResponse(error_body(self.message, self.param), status_code=self.status)
-
-
-def error_body(message: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:
-    return {
-        "error": {
-            "message": message,
-            "type": "invalid_request_error",
-            "param": param,
-            "code": code,
-        }
-    }
+        error = {"message": self.message, "type": "invalid_request_error", "param": self.param}
+        return JSONResponse({"error": {**error, "code": None}}, status_code=self.status)
 
 
 async def api_error(_request: Request, exc: Exception) -> JSONResponse:

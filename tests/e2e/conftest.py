@@ -10,8 +10,8 @@ from collections.abc import Iterator
 import pytest
 from playwright.sync_api import Browser, Page, sync_playwright
 
-from tests.support.browser import ARGS, CHROMIUM
-from tests.support.tiers import without_chromium
+from tests.support.browser import ARGS
+from tests.support.tiers import CHROMIUM, without_chromium
 
 
 @pytest.fixture(scope="module")

@@ -6,9 +6,8 @@ from typing import Any
 
 from playwright.sync_api import Page, expect
 
-from tests.support.tiers import CHROMIUM, tier, without_chromium
+from tests.support.tiers import tier, without_chromium
 
-__all__ = ["ARGS", "BROWSER_TIER", "CHROMIUM", "sign_in"]
 BROWSER_TIER = tier(without_chromium())
 
 # Without the background-networking flags chromium keeps trying to reach Google's hosts,
