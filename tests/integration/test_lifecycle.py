@@ -13,7 +13,14 @@ import time
 import httpx
 import psutil
 
-from tests.support.processes import fake_cmd, free_port, group_alive, kill_group, wait_for
+from tests.support.processes import (
+    fake_cmd,
+    free_port,
+    group_alive,
+    kill_group,
+    process_gone,
+    wait_for,
+)
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
 
@@ -149,7 +156,7 @@ def test_L5_restart_after_crash_readopts_a_healthy_recorded_backend(gateway_fact
     assert "re-adopted pid" in (second.home / "logs" / "m_0.log").read_text()
     second.signal(signal.SIGTERM)
     second.wait_exit()
-    assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    assert process_gone(pid)
 
 
 def test_L5_restart_kills_a_recorded_backend_whose_health_does_not_answer(gateway_factory):

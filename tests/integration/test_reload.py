@@ -9,9 +9,8 @@ import signal
 from pathlib import Path
 
 import httpx
-import psutil
 
-from tests.support.processes import fake_cmd, wait_for
+from tests.support.processes import fake_cmd, process_gone, wait_for
 
 BEFORE = f"""
 models:
@@ -36,10 +35,6 @@ def config_file(gw) -> Path:
     return Path(gw.proc.args[gw.proc.args.index("--config") + 1])
 
 
-def dead(pid: int) -> bool:
-    return not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
-
-
 def test_P6_reload_keeps_unchanged_restarts_changed_stops_removed_adds_new(gateway_factory):
     gw = gateway_factory(BEFORE)
     for model in ("keep", "change", "drop"):
@@ -56,7 +51,11 @@ def test_P6_reload_keeps_unchanged_restarts_changed_stops_removed_adds_new(gatew
     }
     assert gw.pid_of("keep#0") == pids["keep"]  # still the same process, still serving
     assert chat(gw, "keep").status_code == 200
-    wait_for(lambda: dead(pids["drop"]) and dead(pids["change"]), 20, what="old ones stopped")
+    wait_for(
+        lambda: process_gone(pids["drop"]) and process_gone(pids["change"]),
+        20,
+        what="old ones stopped",
+    )
     assert chat(gw, "drop").status_code == 404
     changed = chat(gw, "change")
     assert changed.status_code == 200 and changed.json()["usage"]["completion_tokens"] == 5

@@ -14,7 +14,7 @@ import httpx
 import psutil
 import pytest
 
-from tests.support.processes import free_port, kill_group, wait_for
+from tests.support.processes import free_port, kill_group, process_gone, wait_for
 
 STANDINS = Path(__file__).parent.parent / "support" / "standins"
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
@@ -83,7 +83,7 @@ models:
     pid = backend_pid(state, name)
     assert gw.api("POST", "models/unload", {"model": "m"}).json()["state"] == "stopped"
     assert calls(state) == [start, stop]
-    wait_for(lambda: not psutil.pid_exists(pid) or psutil.Process(pid).status() == "zombie", 10)
+    wait_for(lambda: process_gone(pid), 10)
     assert gw.records() == {}  # not a process corrallm owns: no PID record
 
 
@@ -138,4 +138,4 @@ models:
     gw.signal(signal.SIGTERM)  # shutdown stops what it started, by its stop command
     gw.wait_exit(30)
     assert calls(state) == [f"stopper {pid_file}"]
-    assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == "zombie"
+    assert process_gone(pid)

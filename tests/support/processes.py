@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import TypeVar
 
 import httpx
+import psutil
 
 T = TypeVar("T")
 
@@ -68,6 +69,15 @@ def _has_live_member(pgid: int) -> bool:
         if fields[0] != "Z" and int(fields[2]) == pgid:
             return True
     return False
+
+
+def process_gone(pid: int) -> bool:
+    """Exited (or a zombie nobody reaped yet). One lookup: a process that ends between a
+    `pid_exists` and a `Process()` would otherwise raise NoSuchProcess."""
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
 
 
 def kill_group(pgid: int) -> None:
