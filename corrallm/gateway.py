@@ -26,6 +26,7 @@ from corrallm.lifecycle.process import adopt, stop_group
 from corrallm.lifecycle.remote import RemoteEndpoint
 from corrallm.lifecycle.state import State
 from corrallm.lifecycle.supervisor import Supervisor
+from corrallm.lifecycle.transitions import Transitions
 from corrallm.metrics import Metrics
 from corrallm.proxy.client import Client
 from corrallm.proxy.forward import new_session
@@ -79,6 +80,19 @@ class Gateway:
         self._tasks: set[asyncio.Task[None]] = set()
         self.metrics = Metrics(self)
         self.events = EventBus()
+        # One bus for every supervisor's transitions, subscribed to once (a reload swaps the
+        # supervisors, never the subscribers).
+        self.bus = Transitions()
+        self.bus.subscribe(moved=_log_transition)
+        self.bus.subscribe(moved=self._charge_load)
+        self.bus.subscribe(moved=self.metrics.transition)
+        self.bus.subscribe(moved=self._publish_transition)
+        self.bus.subscribe(
+            line=lambda backend, line: self.events.publish(
+                "log", {"backend": backend, "line": line}
+            )
+        )
+        self.residency = Residency({}, bus=self.bus)
         self.configure(config)
         self.pauses = Pauses(self.store, self._pausables())
         self.admission = Admission(config, self.routes)
@@ -93,8 +107,9 @@ class Gateway:
         self.routes: dict[str, Route] = {}
         self.models: dict[str, ServedModel] = {}  # by name and by alias
         self.served: list[ServedModel] = []  # each once, in config order
-        self.residency = Residency(dict(config.servers), max_wait=config.scheduler.max_wait)
+        self._tenancies: list[Tenancy] = []
         self._build()
+        self.residency.reconfigure(dict(config.servers), config.scheduler.max_wait, self._tenancies)
         self._previous = {}
         self.version += 1
 
@@ -136,17 +151,15 @@ class Gateway:
     def _supervisor(self, sid: str, spec: ProcessSpec) -> Supervisor:
         sup = self._previous.get(sid)
         if sup is None or sup.spec != spec:
-            sup = Supervisor(sid, spec, self.probe, self.home, self.health_timeout)
-        sup.listeners[:] = [
-            _log_transition,
-            self._charge_load,
-            self.metrics.transition,
-            self._publish_transition,
-        ]
-        sup.idle_listeners.clear()
-        sup.logs.listeners[:] = [
-            lambda line: self.events.publish("log", {"backend": sid, "line": line})
-        ]
+            sup = Supervisor(
+                sid,
+                spec,
+                self.probe,
+                self.home,
+                self.health_timeout,
+                bus=self.bus,
+                room=self.residency.make_room,
+            )
         self.supervisors[sid] = sup
         return sup
 
@@ -160,7 +173,7 @@ class Gateway:
         stickies = [m.sticky for m in models]
         ttls = [s.ttl for s in stickies if s is not None and s.ttl is not None]
         costs = [s.evict_cost for s in stickies if s is not None]
-        self.residency.track(
+        self._tenancies.append(
             Tenancy(
                 sup,
                 server,

@@ -11,14 +11,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 from corrallm.config import Config, load_config, load_demo_config
 from corrallm.gateway import Gateway
-from corrallm.lifecycle.errors import LifecycleError
 from corrallm.lifecycle.state import State
-from corrallm.lifecycle.supervisor import Supervisor
 
 log = logging.getLogger("corrallm.reload")
 
@@ -52,11 +49,11 @@ async def reload(gateway: Gateway, config: Config) -> Report:
         if after.get(sid) is old:
             continue
         (report.restarted if sid in after else report.removed).append(sid)
-        retiring = asyncio.create_task(_retire(old), name=f"retire-{sid}")
+        retiring = asyncio.create_task(old.retire(), name=f"retire-{sid}")
         gateway._tasks.add(retiring)
         retiring.add_done_callback(gateway._tasks.discard)
         if sid in after:  # its replacement never starts before the old process is gone
-            after[sid].room = _after(retiring, after[sid].room)
+            after[sid].follows(retiring)
     await _pause_replacements(gateway)
     for served in gateway.served:
         if served.config.persistent and not gateway.pauses.paused("model", served.name):
@@ -69,27 +66,6 @@ async def reload(gateway: Gateway, config: Config) -> Report:
         report.added,
     )
     return report
-
-
-async def _retire(sup: Supervisor) -> None:
-    """Drain and stop a backend the new config removed or changed."""
-    sup.retired = True
-    try:
-        await sup.unload(force=sup.state is State.STARTING)
-    except LifecycleError as exc:
-        log.warning("retiring %s: %s", sup.id, exc)
-    sup.logs.close()
-
-
-def _after(
-    first: asyncio.Task[None], room: Callable[[Supervisor], Awaitable[None]] | None
-) -> Callable[[Supervisor], Awaitable[None]]:
-    async def wait_then_room(sup: Supervisor) -> None:
-        await asyncio.shield(first)
-        if room is not None:
-            await room(sup)
-
-    return wait_then_room
 
 
 async def _pause_replacements(gateway: Gateway) -> None:

@@ -28,9 +28,9 @@ from corrallm.lifecycle.errors import (
 from corrallm.lifecycle.logs import LogBuffer
 from corrallm.lifecycle.pidrecords import PidRecord, PidRecords, file_name
 from corrallm.lifecycle.state import BUSY, State, check_transition
+from corrallm.lifecycle.transitions import Transitions
 
 Probe = Callable[[str], Awaitable[int | None]]
-Listener = Callable[["Supervisor", State, State], None]
 Room = Callable[["Supervisor"], Awaitable[None]]
 # Who asked for a start, charged for its load energy: (key name, group, model).
 Cause = tuple[str | None, str, str]
@@ -59,11 +59,11 @@ class Supervisor:
     health_timeout: float = 120.0
     backoff: Backoff = field(default_factory=Backoff)
     clock: Callable[[], float] = time.monotonic
-    listeners: list[Listener] = field(default_factory=list)
+    # Where every transition, idle moment and log line is published; the gateway's one bus.
+    bus: Transitions = field(default_factory=Transitions)
     # Called before each spawn to make room in the memory pools; raises a LifecycleError
     # (NoRoom) when it cannot, which every caller waiting on that start receives.
     room: Room | None = None
-    idle_listeners: list[Callable[[Supervisor], None]] = field(default_factory=list)
 
     state: State = State.STOPPED
     in_flight: int = 0
@@ -81,12 +81,15 @@ class Supervisor:
     def __post_init__(self) -> None:
         assert self.spec.proxy is not None, "validated config"
         self.logs = LogBuffer(self.home / "logs" / f"{file_name(self.id)}.log")
+        self.logs.listeners.append(lambda line: self.bus.line(self.id, line))
         self.records = PidRecords(self.home)
         self._changed = asyncio.Event()
         self._start_task: asyncio.Task[None] | None = None
         self._watcher: asyncio.Task[None] | None = None
         self._pause_wanted = False
         self._strategy: supervision.Strategy | None = None
+        # A config reload's replacement never starts before its predecessor is gone (L4).
+        self._predecessor: asyncio.Future[None] | None = None
 
     # -- what callers ask ------------------------------------------------------------
 
@@ -137,8 +140,7 @@ class Supervisor:
         if self.in_flight == 0:
             if self.state is State.DRAINING:
                 self._notify()
-            for listener in self.idle_listeners:
-                listener(self)
+            self.bus.idle(self)
 
     async def load(self) -> None:
         """An explicit load: refused while another lifecycle action runs (L4)."""
@@ -190,6 +192,22 @@ class Supervisor:
         if self.state is State.PAUSED:
             self._move(State.STOPPED)
 
+    async def retire(self) -> None:
+        """A config reload removed or replaced this backend: never start it again, drain
+        and stop what runs (a start under way is cut short), close its log."""
+        self.retired = True
+        self._notify()
+        try:
+            await self.unload(force=self.state is State.STARTING)
+        except LifecycleError as exc:
+            self.logs.note(f"retiring: {exc}")
+        self.logs.close()
+
+    def follows(self, predecessor: asyncio.Future[None]) -> None:
+        """Start only once `predecessor` (the retirement of the process this one replaces)
+        is over: ports and unit names would race (L4)."""
+        self._predecessor = predecessor
+
     async def adopt(self, record: PidRecord) -> bool:
         """After a crash of corrallm: take over a recorded process only if it is healthy (L5)."""
         if not record.is_alive():
@@ -214,6 +232,8 @@ class Supervisor:
 
     async def _start(self) -> None:
         try:
+            if self._predecessor is not None:
+                await asyncio.shield(self._predecessor)
             if self.room is not None:
                 try:
                     await self.room(self)
@@ -387,8 +407,7 @@ class Supervisor:
         check_transition(old, new)
         self.state = new
         self._notify()
-        for listener in self.listeners:
-            listener(self, old, new)
+        self.bus.moved(self, old, new)
 
     def _notify(self) -> None:
         self._changed.set()

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Iterable
+from typing import Protocol
 
 import aiohttp
 import orjson
@@ -16,7 +17,6 @@ from corrallm.proxy.asgi import Receive, Scope, Send
 from corrallm.proxy.client import Client
 from corrallm.proxy.errors import bad_gateway
 from corrallm.proxy.metering import Meter
-from corrallm.scheduler.admission import StreamState
 
 # Hop-by-hop headers (RFC 9110 §7.6.1) and those the client sets itself.
 _HOP_BY_HOP = frozenset(
@@ -39,6 +39,19 @@ _HOP_BY_HOP = frozenset(
 _CALLER_IDENTITY = frozenset({b"authorization", b"x-corrallm-key", b"cookie"})
 _DROP_REQUEST = _HOP_BY_HOP | _CALLER_IDENTITY
 _DROP_RESPONSE = frozenset({b"connection", b"keep-alive", b"transfer-encoding", b"server", b"date"})
+
+
+class Relay(Protocol):
+    """How far an answer has got, for safe preemption (S4); the admission `Ticket` is one.
+
+    A preemptible SSE stream is relayed in whole events only, so a preemption (a cancel
+    of the request's task) always leaves its client at an event boundary. A non-streaming
+    answer, once begun, is shielded: it finishes and the preemption waits for it.
+    """
+
+    preemptible: bool
+    started: bool
+    shielded: bool
 
 
 def new_session() -> aiohttp.ClientSession:
@@ -119,7 +132,7 @@ async def forward(
     extra_response_headers: list[tuple[bytes, bytes]],
     watch: DisconnectWatch,
     backend_id: str,
-    stream: StreamState | None = None,
+    stream: Relay | None = None,
     meter: Meter | None = None,
 ) -> int:
     """Send the request upstream and relay the response; returns the upstream status."""

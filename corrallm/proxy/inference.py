@@ -24,7 +24,7 @@ from corrallm.proxy.forward import PREEMPTED_EVENT, DisconnectWatch, forward, re
 from corrallm.proxy.metering import Meter, ask_for_usage
 from corrallm.residency.manager import NoRoom
 from corrallm.routing.router import Route, ServedModel
-from corrallm.scheduler.admission import Rejected, StreamState, Ticket, retry_after_header
+from corrallm.scheduler.admission import Rejected, Ticket, retry_after_header
 
 log = logging.getLogger("corrallm.proxy")
 
@@ -208,7 +208,8 @@ async def _serve(
                 ticket = await admission.acquire(caller.group_name, caller.group, tiers)
                 continue
             visit.admitted_mono = visit.admitted_mono or time.monotonic()
-            stream = ticket.stream = StreamState(preemptible=ticket.preemptible)
+            stream = ticket
+            stream.started = stream.shielded = False
             meter = Meter(strip_usage)
             visit.backend, visit.backend_id = ticket.route.config, ticket.route.id
             visit.degraded = served.degraded(ticket.route)
@@ -253,7 +254,7 @@ async def _forward_admitted(
     gateway: Gateway,
     served: ServedModel,
     ticket: Ticket,
-    stream: StreamState,
+    stream: Ticket,
     meter: Meter,
     scope: Scope,
     send: Send,

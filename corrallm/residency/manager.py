@@ -20,6 +20,7 @@ from corrallm.config.units import format_size
 from corrallm.lifecycle.errors import LifecycleError
 from corrallm.lifecycle.state import State
 from corrallm.lifecycle.supervisor import Supervisor
+from corrallm.lifecycle.transitions import Transitions
 from corrallm.residency.measure import MemoryReader
 from corrallm.residency.planner import Plan, Resident, plan
 
@@ -62,22 +63,40 @@ class Tenancy:
 
 @dataclass
 class Residency:
+    """Long-lived: built once with the gateway, it subscribes once to the transition bus;
+    a config reload hands it the new servers and tenancies (`reconfigure`) and keeps its
+    memory reader, its locks and everything it measured of processes that stay."""
+
     servers: dict[str, Server]
     max_wait: float = 60.0
     reader: MemoryReader | None = None
     clock: Callable[[], float] = time.monotonic
     tenancies: dict[str, Tenancy] = field(default_factory=dict)
+    bus: Transitions | None = None
 
     def __post_init__(self) -> None:
-        self._locks = {name: asyncio.Lock() for name in self.servers}
+        self._locks: dict[str, asyncio.Lock] = {}
         self._changed = asyncio.Event()
+        if self.bus is not None:
+            self.bus.subscribe(moved=self._on_transition, idle=lambda _: self._notify())
+
+    def reconfigure(
+        self, servers: dict[str, Server], max_wait: float, tenancies: list[Tenancy]
+    ) -> None:
+        """A config reload: the new pools and tenancies replace the old as a whole; what
+        was measured of a process that keeps running is kept."""
+        previous = self.tenancies
+        self.servers, self.max_wait = servers, max_wait
+        self.tenancies = {}
+        for tenancy in tenancies:
+            old = previous.get(tenancy.supervisor.id)
+            if old is not None and old.supervisor is tenancy.supervisor:
+                tenancy.measured = old.measured
+            self.track(tenancy)
+        self._notify()
 
     def track(self, tenancy: Tenancy) -> None:
-        sup = tenancy.supervisor
-        self.tenancies[sup.id] = tenancy
-        sup.room = self.make_room
-        sup.listeners.append(self._on_transition)
-        sup.idle_listeners.append(lambda _: self._notify())
+        self.tenancies[tenancy.supervisor.id] = tenancy
 
     def residents(self, server: str, exclude: str | None = None) -> list[Tenancy]:
         return [
@@ -106,7 +125,8 @@ class Residency:
         if tenancy is None or tenancy.server is None:
             return
         deadline = self.clock() + self.max_wait
-        async with self._locks[tenancy.server]:
+        lock = self._locks.setdefault(tenancy.server, asyncio.Lock())
+        async with lock:
             while True:
                 decision = self._plan(tenancy)
                 if decision.fits and not decision.evict:
@@ -181,7 +201,8 @@ class Residency:
         )
 
     def _on_transition(self, sup: Supervisor, old: State, new: State) -> None:
-        if new is State.READY and self.reader is not None:
+        tracked = self.tenancies.get(sup.id)
+        if tracked is not None and tracked.supervisor is sup and new is State.READY and self.reader:
             asyncio.get_running_loop().create_task(self._measure(sup))
         if new not in HOLDING:
             self._notify()

@@ -43,20 +43,6 @@ class Rejected(Exception):
 
 
 @dataclass(slots=True)
-class StreamState:
-    """How far a response has got, for safe preemption (S4).
-
-    A preemptible SSE stream is relayed in whole events only, so a preemption (a cancel
-    of the request's task) always leaves its client at an event boundary. A non-streaming
-    answer, once begun, is shielded: it finishes and the preemption waits for it.
-    """
-
-    preemptible: bool = False
-    started: bool = False
-    shielded: bool = False
-
-
-@dataclass(slots=True)
 class Ticket:
     id: int
     group: str
@@ -64,12 +50,11 @@ class Ticket:
     preemptible: bool
     task: asyncio.Task[None] | None
     preempted: bool = False
-    stream: StreamState | None = None
-
-    @property
-    def shielded(self) -> bool:
-        """A non-streaming answer under way cannot end cleanly: preemption waits for it."""
-        return self.stream is not None and self.stream.shielded
+    # Set by the relay: the answer has begun (`started`), and it is one that cannot end
+    # cleanly part-way (`shielded`: not a stream cut at event boundaries), so a
+    # preemption waits for it instead of cancelling it (S4).
+    started: bool = False
+    shielded: bool = False
 
 
 @dataclass

@@ -77,8 +77,8 @@ class Economics:
         self._dirty = False
         self._checkpoints: asyncio.Task[None] | None = None
         now = clock()
+        gateway.bus.subscribe(moved=self.on_transition)
         for sup in gateway.supervisors.values():
-            sup.listeners.append(self.on_transition)
             self.counters[sup.id] = Counters(sup.id, now)
             if sup.state in ASLEEP:
                 self._asleep_since[sup.id] = now
