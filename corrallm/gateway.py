@@ -28,7 +28,6 @@ from corrallm.lifecycle.state import State
 from corrallm.lifecycle.supervisor import Supervisor
 from corrallm.lifecycle.transitions import Transitions
 from corrallm.metrics import Metrics
-from corrallm.proxy.client import Client
 from corrallm.proxy.forward import new_session
 from corrallm.residency.manager import Residency, Tenancy
 from corrallm.residency.measure import nvml_reader
@@ -73,7 +72,6 @@ class Gateway:
         self.health_timeout = health_timeout
         self.started_at = int(time.time())
         self._session: aiohttp.ClientSession | None = None
-        self.upstream = Client()  # the hot path's pooled HTTP/1.1 client
         self.store = Store(db_path or home / "corrallm.db")
         self.activity = ActivityLog(self.store)
         self.ledger = Ledger(config, self.activity)
@@ -315,7 +313,6 @@ class Gateway:
             await self.store.close()
         if self._session is not None:
             await self._session.close()
-        await self.upstream.close()
 
     async def _recover_records(self) -> None:
         """After a crash: re-adopt healthy recorded backends, reap the rest (L5)."""

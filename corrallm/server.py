@@ -11,7 +11,7 @@ import uvicorn
 from corrallm.api.auth import ensure_token
 from corrallm.config import Config
 from corrallm.gateway import Gateway
-from corrallm.proxy.app import CorrallmApp
+from corrallm.app import CorrallmApp
 
 # Open streams get this long to finish on SIGTERM/SIGINT before they are cut and every
 # backend is stopped.

@@ -18,8 +18,8 @@ from strawberry.scalars import JSON
 from strawberry.types import Info
 
 from corrallm.api import schemas, service, usage
-from corrallm.api.service import ServiceError
 from corrallm.gateway import Gateway
+from corrallm.proxy.errors import ApiError
 
 _TYPES: dict[type[BaseModel], type] = {}
 
@@ -71,10 +71,10 @@ def build(model: type[BaseModel], data: dict[str, Any]) -> Any:
     return cls(**values)
 
 
-class GraphQLServiceError(Exception):
+class GraphQLApiRefusal(Exception):
     """A service's refusal, with the same words and code as REST gives it."""
 
-    def __init__(self, error: ServiceError) -> None:
+    def __init__(self, error: ApiError) -> None:
         super().__init__(error.message)
         self.extensions = {"code": error.code, "status": error.status}
 
@@ -87,16 +87,16 @@ def _gw(info: Info) -> Gateway:
 async def _call(model: type[BaseModel], coro_or_value: Any) -> Any:
     try:
         value = await coro_or_value if hasattr(coro_or_value, "__await__") else coro_or_value
-    except ServiceError as exc:
-        raise GraphQLServiceError(exc) from exc
+    except ApiError as exc:
+        raise GraphQLApiRefusal(exc) from exc
     return build(model, value)
 
 
 def _sync(model: type[BaseModel], fn: Any, *args: Any) -> Any:
     try:
         return build(model, fn(*args))
-    except ServiceError as exc:
-        raise GraphQLServiceError(exc) from exc
+    except ApiError as exc:
+        raise GraphQLApiRefusal(exc) from exc
 
 
 Overview = _gql(schemas.Overview)

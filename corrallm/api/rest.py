@@ -15,8 +15,8 @@ from starlette.exceptions import HTTPException
 
 from corrallm import __version__
 from corrallm.api import schemas, service, usage
-from corrallm.api.service import ServiceError
 from corrallm.gateway import Gateway
+from corrallm.proxy.errors import ApiError
 
 PREFIX = "/api/v1"
 
@@ -34,12 +34,13 @@ Bucket = Annotated[
 def error(
     status: int,
     message: str,
-    code: str,
+    code: str | None,
     type: str = "invalid_request_error",
     param: str | None = None,
+    headers: dict[str, str] | None = None,
 ) -> JSONResponse:
     body = {"error": {"message": message, "type": type, "param": param, "code": code}}
-    return JSONResponse(body, status_code=status)
+    return JSONResponse(body, status_code=status, headers=headers)
 
 
 def build_rest(gw: Gateway) -> FastAPI:
@@ -52,10 +53,9 @@ def build_rest(gw: Gateway) -> FastAPI:
         responses=schemas.ERRORS,
     )
 
-    @app.exception_handler(ServiceError)
-    async def service_error(_: Request, exc: ServiceError) -> JSONResponse:
-        kind = "api_error" if exc.status >= 500 else "invalid_request_error"
-        return error(exc.status, exc.message, exc.code, kind, exc.param)
+    @app.exception_handler(ApiError)
+    async def service_error(_: Request, exc: ApiError) -> JSONResponse:
+        return error(exc.status, exc.message, exc.code, exc.type, exc.param, exc.headers)
 
     @app.exception_handler(RequestValidationError)
     async def invalid(_: Request, exc: RequestValidationError) -> JSONResponse:

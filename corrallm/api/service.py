@@ -1,6 +1,6 @@
 """The one service layer behind every management surface (REST now; GraphQL, the dashboard
 and the CLI later): operator actions and the views of SPEC §14, usage and activity included.
-Plain functions over the gateway; surfaces translate `ServiceError` into their own error
+Plain functions over the gateway; surfaces render its `ApiError`s in their own
 shapes."""
 
 from __future__ import annotations
@@ -10,20 +10,14 @@ import time
 from datetime import UTC, datetime
 from typing import Any
 
-from corrallm.config.units import parse_duration
+from corrallm.config.units import parse_duration, rfc3339
 from corrallm.gateway import Gateway
-from corrallm.lifecycle.errors import BackendFailed, BackendPaused, LifecycleBusy, LifecycleError
+from corrallm.lifecycle.errors import LifecycleBusy, LifecycleError
 from corrallm.lifecycle.pauses import Kind
 from corrallm.lifecycle.supervisor import Supervisor
-from corrallm.residency.manager import NoRoom
+from corrallm.proxy.errors import ApiError, lifecycle_failure
+from corrallm.proxy.reservations import live_leases
 from corrallm.routing.router import ServedModel
-
-
-class ServiceError(Exception):
-    def __init__(self, status: int, message: str, code: str, param: str | None = None) -> None:
-        super().__init__(message)
-        self.status, self.message, self.code, self.param = status, message, code, param
-
 
 # -- lookups -------------------------------------------------------------------------
 
@@ -32,9 +26,7 @@ def served_model(gw: Gateway, name: str) -> ServedModel:
     served = gw.models.get(name)
     if served is None:
         known = ", ".join(s.name for s in gw.served) or "none"
-        raise ServiceError(
-            404, f"No model '{name}'. Configured models: {known}.", "model_not_found"
-        )
+        raise ApiError(404, f"No model '{name}'. Configured models: {known}.", "model_not_found")
     return served
 
 
@@ -42,7 +34,7 @@ def extension(gw: Gateway, name: str) -> Supervisor:
     sup = gw.extensions.get(name)
     if sup is None:
         known = ", ".join(gw.extensions) or "none"
-        raise ServiceError(
+        raise ApiError(
             404, f"No extension '{name}'. Configured extensions: {known}.", "extension_not_found"
         )
     return sup
@@ -68,7 +60,7 @@ def parse_until(value: str | float | None) -> float | None:
             try:
                 until = now + parse_duration(value)
             except ValueError:
-                raise ServiceError(
+                raise ApiError(
                     400,
                     f"'until' must be an RFC 3339 time (2026-12-01T08:00:00Z) or a duration "
                     f"from now (30m, 2h), got {value!r}.",
@@ -76,21 +68,15 @@ def parse_until(value: str | float | None) -> float | None:
                 ) from None
     if not until > now:  # also refuses NaN
         shown = rfc3339(until) if math.isfinite(until) and until >= 0 else repr(value)
-        raise ServiceError(400, f"'until' ({shown}) is in the past.", "invalid_until")
+        raise ApiError(400, f"'until' ({shown}) is in the past.", "invalid_until")
     if until > LATEST_UNTIL:
-        raise ServiceError(
+        raise ApiError(
             400,
             f"'until' ({value!r}) is too far in the future (latest: year 9000); "
             "leave 'until' out to pause until unpaused.",
             "invalid_until",
         )
     return until
-
-
-def rfc3339(unix: float | None) -> str | None:
-    if unix is None:
-        return None
-    return datetime.fromtimestamp(unix, UTC).isoformat().replace("+00:00", "Z")
 
 
 def wall(gw: Gateway, monotonic: float | None) -> str | None:
@@ -106,7 +92,7 @@ def wall(gw: Gateway, monotonic: float | None) -> str | None:
 async def load_model(gw: Gateway, name: str) -> dict[str, Any]:
     served = served_model(gw, name)
     if gw.pauses.paused("model", served.name):
-        raise ServiceError(423, f"Model '{served.name}' is paused; unpause it first.", "paused")
+        raise ApiError(423, f"Model '{served.name}' is paused; unpause it first.", "paused")
     route = served.tiers_for(None, gw.placeable)[0][0]
     endpoint = route.endpoint
     try:
@@ -125,7 +111,7 @@ async def unload_model(gw: Gateway, name: str, force: bool = False) -> dict[str,
     if not own:
         hosts = sorted({r.config.extension for r in served.routes if r.config.extension})
         what = f"hosted by extension {', '.join(hosts)}" if hosts else "a pure proxy"
-        raise ServiceError(
+        raise ApiError(
             409,
             f"Model '{served.name}' has no process of its own to unload: it is {what}."
             + (" Unload the extension instead." if hosts else ""),
@@ -159,7 +145,7 @@ async def unpause(gw: Gateway, kind: Kind, name: str) -> dict[str, Any]:
 async def load_extension(gw: Gateway, name: str) -> dict[str, Any]:
     sup = extension(gw, name)
     if gw.pauses.paused("extension", name):
-        raise ServiceError(423, f"Extension '{name}' is paused; unpause it first.", "paused")
+        raise ApiError(423, f"Extension '{name}' is paused; unpause it first.", "paused")
     try:
         await sup.load()
     except LifecycleError as exc:
@@ -178,19 +164,11 @@ async def _unload(sups: list[Supervisor], force: bool) -> None:
         try:
             await sup.unload(force=force)
         except LifecycleBusy as exc:
-            raise ServiceError(409, f"{exc} (or pass force: true).", "lifecycle_busy") from exc
+            raise ApiError(409, f"{exc} (or pass force: true).", "lifecycle_busy") from exc
 
 
-def _lifecycle_error(exc: LifecycleError) -> ServiceError:
-    if isinstance(exc, LifecycleBusy):
-        return ServiceError(409, str(exc), "lifecycle_busy")
-    if isinstance(exc, BackendPaused):
-        return ServiceError(423, str(exc), "paused")
-    if isinstance(exc, NoRoom):
-        return ServiceError(503, str(exc), "insufficient_capacity")
-    if isinstance(exc, BackendFailed):
-        return ServiceError(502, str(exc), "backend_start_failed")
-    return ServiceError(502, str(exc), "backend_error")
+def _lifecycle_error(exc: LifecycleError) -> ApiError:
+    return lifecycle_failure(exc, management=True)
 
 
 # -- views ---------------------------------------------------------------------------
@@ -313,18 +291,7 @@ def lanes(gw: Gateway) -> dict[str, Any]:
 
 def reservations(gw: Gateway) -> dict[str, Any]:
     """Live leases (SPEC §7): who holds how many slots of which backend, until when."""
-    return {
-        "reservations": [
-            {
-                "model": route.model,
-                "backend": route.id,
-                "lane": lane,
-                "slots": slots,
-                "expires_at": rfc3339(time.time() + left),
-            }
-            for lane, route, slots, left in gw.admission.leases()
-        ]
-    }
+    return {"reservations": live_leases(gw)}
 
 
 async def reload_config(gw: Gateway) -> dict[str, Any]:
@@ -335,7 +302,7 @@ async def reload_config(gw: Gateway) -> dict[str, Any]:
     try:
         config = read_config(gw)
     except ConfigError as exc:
-        raise ServiceError(
+        raise ApiError(
             400,
             "The new config was refused; the old one stays in force. " + "; ".join(exc.problems),
             "invalid_config",

@@ -8,9 +8,10 @@ import time
 from datetime import UTC, datetime
 from typing import Any
 
-from corrallm.api.service import ServiceError, rfc3339
+from corrallm.api.service import rfc3339
 from corrallm.config.units import parse_duration
 from corrallm.gateway import Gateway
+from corrallm.proxy.errors import ApiError
 from corrallm.store import queries
 
 DEFAULT_RANGE = 86400.0
@@ -44,8 +45,8 @@ def parse_time(value: str | None, name: str, now: float) -> float | None:
     return t
 
 
-def _bad_time(name: str, value: str) -> ServiceError:
-    return ServiceError(
+def _bad_time(name: str, value: str) -> ApiError:
+    return ApiError(
         400,
         f"'{name}' must be an RFC 3339 time (2026-12-01T08:00:00Z), unix seconds "
         f"(1764576000) or a duration ago (30m, 24h, 7d); got {value!r}.",
@@ -64,7 +65,7 @@ def time_range(
     start = parse_time(since, "since", now)
     start = end - DEFAULT_RANGE if start is None else start
     if start >= end:
-        raise ServiceError(
+        raise ApiError(
             400,
             f"'since' ({rfc3339(start)}) must be before 'until' ({rfc3339(end)}).",
             "invalid_since",
@@ -83,7 +84,7 @@ def parse_bucket(value: str | None, since: float, until: float) -> int:
     except ValueError:
         seconds = -1.0
     if not 1 <= seconds <= MAX_BUCKET or seconds != int(seconds):
-        raise ServiceError(
+        raise ApiError(
             400,
             f"'bucket' must be a whole number of seconds from 1 to {MAX_BUCKET} (3650d): a "
             f"duration (60s, 5m, 1h, 1d) or seconds (300); got {value!r}.",
@@ -94,7 +95,7 @@ def parse_bucket(value: str | None, since: float, until: float) -> int:
     points = len(queries.bucket_starts(since, until, bucket))
     if points > queries.MAX_BUCKETS:
         least = math.ceil((until - since) / (queries.MAX_BUCKETS - 1))
-        raise ServiceError(
+        raise ApiError(
             400,
             f"'bucket' {value!r} cuts this range into {points} buckets, more than "
             f"{queries.MAX_BUCKETS}; use a bucket of at least {least}s or a shorter range.",
@@ -158,7 +159,7 @@ async def activity(
     until: str | None = None,
 ) -> dict[str, Any]:
     if not 1 <= limit <= MAX_ACTIVITY:
-        raise ServiceError(
+        raise ApiError(
             400, f"'limit' must be 1 to {MAX_ACTIVITY}; got {limit}.", "invalid_limit", "limit"
         )
     start, end = time_range(since, until)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import re
+from datetime import UTC, datetime
 
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h|d)?\s*$")
 _DURATION_SECONDS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0, None: 1.0}
@@ -64,3 +65,9 @@ def format_size(n: int) -> str:
         if n >= size:
             return f"{n / size:.3g}{unit}"
     return f"{n}B"
+
+
+def rfc3339(unix: float | None) -> str | None:
+    if unix is None:
+        return None
+    return datetime.fromtimestamp(unix, UTC).isoformat().replace("+00:00", "Z")

@@ -16,7 +16,8 @@ import orjson
 from corrallm.gateway import Gateway
 from corrallm.proxy.asgi import Receive, Scope, Send, header, send_bytes
 from corrallm.proxy.errors import bad_request
-from corrallm.proxy.inference import modes_of, offered, serve_parsed
+from corrallm.proxy.inference import serve_parsed
+from corrallm.proxy.pipeline import Pipeline, modes_of, offered
 from corrallm.routing.router import ServedModel
 
 _BOUNDARY = re.compile(rb'boundary="?([^";]+)"?', re.IGNORECASE)
@@ -40,7 +41,7 @@ def form_field(body: bytes, content_type: bytes, name: str) -> str | None:
 
 
 async def transcribe(
-    gateway: Gateway, scope: Scope, receive: Receive, send: Send, body: bytes
+    pipeline: Pipeline, scope: Scope, receive: Receive, send: Send, body: bytes
 ) -> None:
     content_type = header(scope, b"content-type") or b""
     if not content_type.lower().startswith(b"multipart/form-data"):
@@ -51,7 +52,7 @@ async def transcribe(
     model = form_field(body, content_type, "model")
     if not model:
         raise bad_request("Missing 'model' form field: name the speech-to-text model.", "model")
-    await serve_parsed(gateway, scope, receive, send, body, {"model": model}, model)
+    await serve_parsed(pipeline, scope, receive, send, body, {"model": model}, model)
 
 
 def speaks(served: ServedModel) -> bool:

@@ -1,5 +1,7 @@
 """OpenAI-shaped errors: `{"error": {"message", "type", "param", "code"}}` with a message a
-person can act on (SPEC §3)."""
+person can act on (SPEC §3). One error class for every surface (the /v1 API, the
+management API, GraphQL, the dashboard), and one table (`lifecycle_failure`) saying what
+a backend's lifecycle refusal means on each of them."""
 
 from __future__ import annotations
 
@@ -7,7 +9,15 @@ from typing import Any
 
 import orjson
 
+from corrallm.lifecycle.errors import (
+    BackendFailed,
+    BackendPaused,
+    BackendRetired,
+    LifecycleBusy,
+    LifecycleError,
+)
 from corrallm.proxy.asgi import Send, send_bytes
+from corrallm.residency.manager import NoRoom
 
 
 class ApiError(Exception):
@@ -15,16 +25,16 @@ class ApiError(Exception):
         self,
         status: int,
         message: str,
-        *,
-        type: str = "invalid_request_error",
         code: str | None = None,
+        *,
+        type: str | None = None,
         param: str | None = None,
         headers: dict[str, str] | None = None,
     ) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
-        self.type = type
+        self.type = type or ("api_error" if status >= 500 else "invalid_request_error")
         self.code = code
         self.param = param
         self.headers = headers or {}
@@ -43,6 +53,27 @@ class ApiError(Exception):
 
     async def send(self, send: Send) -> None:
         await send_bytes(send, self.status, orjson.dumps(self.body()), headers=self.headers)
+
+
+RETIRED = "backend_retired"  # a reload took the backend away before the request reached it
+
+# What a backend's lifecycle refusal means, for every surface: (status on the inference
+# surfaces, status on the management API, code). The order matters: subclasses first.
+LIFECYCLE_FAILURES: tuple[tuple[type[LifecycleError], int, int, str], ...] = (
+    (BackendRetired, 502, 502, RETIRED),
+    (BackendFailed, 502, 502, "backend_start_failed"),
+    # F3: a pause is a decision, not congestion (no Retry-After); an explicit load: 423.
+    (BackendPaused, 503, 423, "paused"),
+    (LifecycleBusy, 503, 409, "lifecycle_busy"),
+    (NoRoom, 503, 503, "insufficient_capacity"),
+)
+
+
+def lifecycle_failure(exc: LifecycleError, management: bool = False) -> ApiError:
+    for kind, inference_status, management_status, code in LIFECYCLE_FAILURES:
+        if isinstance(exc, kind):
+            return ApiError(management_status if management else inference_status, str(exc), code)
+    return ApiError(502, str(exc), "backend_error")
 
 
 def bad_request(message: str, param: str | None = None) -> ApiError:

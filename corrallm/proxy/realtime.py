@@ -2,10 +2,11 @@
 
 The model comes from the `model` query parameter (the upgrade is then held until the
 backend is healthy) or from the first `session.update` / `transcription_session.update`.
-The session holds one fairshare slot for its whole life, frames are relayed both ways and
-close codes passed through; it is reaped after `realtime.idleTimeout` without a frame and
-after `realtime.maxDuration`. A saturated backend closes the socket with 1013 (try again
-later) and a reason saying when.
+A session goes through the one request pipeline like any request (keys, pause, spend,
+admission): it holds one fairshare slot and counts in flight on its backend for its whole
+life, frames are relayed both ways and close codes passed through; it is reaped after
+`realtime.idleTimeout` without a frame and after `realtime.maxDuration`. A saturated
+backend closes the socket with 1013 (try again later) and a reason saying when.
 """
 
 from __future__ import annotations
@@ -19,14 +20,12 @@ from urllib.parse import parse_qs
 import aiohttp
 import orjson
 
-from corrallm.cost.ledger import Visit
+from corrallm.config.schema import Realtime
 from corrallm.cost.model import Metered
-from corrallm.gateway import Gateway
 from corrallm.lifecycle.addresses import upstream_url
-from corrallm.lifecycle.errors import LifecycleError
 from corrallm.proxy.asgi import Receive, Scope, Send
-from corrallm.proxy.inference import caller_key, offered
-from corrallm.scheduler.admission import Rejected
+from corrallm.proxy.errors import ApiError
+from corrallm.proxy.pipeline import Admitted, Inbound, Pipeline, caller_key
 
 SESSION_EVENTS = ("session.update", "transcription_session.update")
 TRY_AGAIN_LATER = 1013
@@ -39,7 +38,7 @@ class Refused(Exception):
         self.code, self.reason = code, reason[:120]  # close reasons are short
 
 
-async def relay(gateway: Gateway, scope: Scope, receive: Receive, send: Send) -> None:
+async def relay(pipeline: Pipeline, scope: Scope, receive: Receive, send: Send) -> None:
     if (await receive())["type"] != "websocket.connect":
         return
     query = parse_qs(scope.get("query_string", b"").decode("latin-1"))
@@ -52,16 +51,29 @@ async def relay(gateway: Gateway, scope: Scope, receive: Receive, send: Send) ->
             accepted = True
             first = await _first_event(receive)
             model = _model_of(first)
-        await _session(gateway, scope, receive, send, model, first, accepted)
+        await _session(pipeline, scope, receive, send, model, first, accepted)
+    except ApiError as exc:  # refused by a gate: a close code, the words as its reason
+        retry = exc.headers.get("retry-after")
+        reason = f"{exc.code}: retry after {retry}s" if retry else exc.message
+        await _close(send, accepted, Refused(_close_code(exc), reason))
     except Refused as refused:
-        if accepted:
-            await send({"type": "websocket.close", "code": refused.code, "reason": refused.reason})
-        else:  # before the upgrade: an HTTP 403, the reason in corrallm's log
-            await send({"type": "websocket.close", "code": refused.code})
+        await _close(send, accepted, refused)
+
+
+async def _close(send: Send, accepted: bool, refused: Refused) -> None:
+    if accepted:
+        await send({"type": "websocket.close", "code": refused.code, "reason": refused.reason})
+    else:  # before the upgrade: an HTTP 403, the reason in corrallm's log
+        await send({"type": "websocket.close", "code": refused.code})
+
+
+def _close_code(exc: ApiError) -> int:
+    """Congestion and failed starts are worth retrying (1013); anything else is a refusal."""
+    return TRY_AGAIN_LATER if exc.status in (429, 502, 503, 504) else POLICY_VIOLATION
 
 
 async def _session(
-    gateway: Gateway,
+    pipeline: Pipeline,
     scope: Scope,
     receive: Receive,
     send: Send,
@@ -69,52 +81,44 @@ async def _session(
     first: dict[str, Any] | None,
     accepted: bool,
 ) -> None:
-    served = gateway.models.get(model)
-    if served is None or not offered(served, "realtime"):
-        raise Refused(POLICY_VIOLATION, f"model {model!r} is not offered on /v1/realtime")
-    caller = gateway.caller(caller_key(scope))
-    route = served.tiers_for(caller.group, gateway.placeable)
-    visit = Visit(
-        caller.key if caller.known else None, caller.group_name, served.name, "/v1/realtime", 0
-    )
-    try:
-        ticket = await gateway.admission.acquire(caller.group_name, caller.group, route)
-    except Rejected as exc:
-        raise Refused(
-            TRY_AGAIN_LATER, f"saturated: retry after {int(exc.decision.retry_after)}s"
-        ) from None
-    visit.admitted_mono = time.monotonic()
-    visit.backend, visit.backend_id = ticket.route.config, ticket.route.id
-    try:
+    """One session through the pipeline: it holds a slot and counts in flight on its
+    backend for its whole life, so no ttl reaper, eviction or unload takes the backend
+    from under it (an unload drains it)."""
+    limits = pipeline.gw.config.realtime
+
+    async def work(admitted: Admitted) -> int:
+        admitted.ticket.started = admitted.ticket.shielded = True  # never cut by preemption
+        route = admitted.route
+        url = upstream_url(route.endpoint.base_url, "/v1/realtime").replace("http", "ws", 1)
+        params = {"model": route.config.model or admitted.served.name}
+        bytes_in = [0]
         try:
-            await ticket.route.endpoint.ensure_ready((visit.key, caller.group_name, served.name))
-        except LifecycleError as exc:
-            raise Refused(TRY_AGAIN_LATER, f"backend did not start: {exc}") from None
-        url = upstream_url(ticket.route.endpoint.base_url, "/v1/realtime").replace("http", "ws", 1)
-        async with gateway.session.ws_connect(
-            url, params={"model": ticket.route.config.model or served.name}, autoping=True
-        ) as upstream:
-            if not accepted:
-                await send({"type": "websocket.accept"})
-            if first is not None:
-                await upstream.send_str(orjson.dumps(first).decode())
-            visit.status = await _pump(gateway, receive, send, upstream, visit)
-    finally:
-        gateway.admission.release(ticket)
-        gateway.settle(visit)
+            async with pipeline.websockets.ws_connect(url, params=params, autoping=True) as up:
+                if not accepted:
+                    await send({"type": "websocket.accept"})
+                if first is not None:
+                    await up.send_str(orjson.dumps(first).decode())
+                return await _pump(limits, receive, send, up, bytes_in)
+        except aiohttp.ClientError as exc:
+            raise ApiError(
+                502, f"backend '{route.id}' refused the realtime session: {exc}", "backend_error"
+            ) from exc
+        finally:
+            admitted.visit.metered = Metered(bytes_in=bytes_in[0])
+
+    inbound = Inbound(model, "/v1/realtime", caller_key(scope), 0, "realtime")
+    await pipeline.run(inbound, work)
 
 
 async def _pump(
-    gateway: Gateway,
+    limits: Realtime,
     receive: Receive,
     send: Send,
     upstream: aiohttp.ClientWebSocketResponse,
-    visit: Visit,
+    bytes_in: list[int],
 ) -> int:
     """Relay both ways until either side closes, the session idles or runs out of time."""
-    limits = gateway.config.realtime
     last = [time.monotonic()]
-    bytes_in = [0]
 
     async def client_to_upstream() -> None:
         while True:
@@ -157,7 +161,6 @@ async def _pump(
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-        visit.metered = Metered(bytes_in=bytes_in[0])
 
 
 async def _first_event(receive: Receive) -> dict[str, Any]:

@@ -10,21 +10,35 @@ from urllib.parse import parse_qs
 
 import orjson
 
-from corrallm.api import service
-from corrallm.api.service import rfc3339
-from corrallm.config.units import parse_duration
+from corrallm.config.units import parse_duration, rfc3339
 from corrallm.gateway import Caller, Gateway
 from corrallm.proxy.asgi import Receive, Scope, Send, send_bytes
 from corrallm.proxy.errors import ApiError, bad_request, not_found
-from corrallm.proxy.inference import caller_key, lookup
+from corrallm.proxy.pipeline import Inbound, Pipeline, caller_key
 
 
-async def handle(gateway: Gateway, scope: Scope, receive: Receive, send: Send, body: bytes) -> None:
+def live_leases(gateway: Gateway) -> list[dict[str, Any]]:
+    """Live leases (SPEC §7): who holds how many slots of which backend, until when."""
+    return [
+        {
+            "model": route.model,
+            "backend": route.id,
+            "lane": lane,
+            "slots": slots,
+            "expires_at": rfc3339(time.time() + left),
+        }
+        for lane, route, slots, left in gateway.admission.leases()
+    ]
+
+
+async def handle(
+    pipeline: Pipeline, scope: Scope, receive: Receive, send: Send, body: bytes
+) -> None:
+    gateway = pipeline.gw
     caller = gateway.caller(caller_key(scope))
     method = scope["method"]
     if method == "GET":
-        live = service.reservations(gateway)["reservations"]
-        await _json(send, 200, {"object": "list", "data": live})
+        await _json(send, 200, {"object": "list", "data": live_leases(gateway)})
         return
     if not caller.known:
         raise ApiError(
@@ -35,13 +49,13 @@ async def handle(gateway: Gateway, scope: Scope, receive: Receive, send: Send, b
             code="invalid_api_key",
         )
     if method == "POST":
-        await _json(send, 200, _reserve(gateway, caller, body))
+        await _json(send, 200, _reserve(pipeline, caller, body))
     elif method == "DELETE":
         query = parse_qs(scope.get("query_string", b"").decode("latin-1"))
         model = (query.get("model") or [""])[0]
         if not model:
             raise bad_request("Name the model: DELETE /v1/reservations?model=M.", param="model")
-        route = lookup(gateway, model).primary
+        route = pipeline.lookup(model).primary
         if not any(
             g == caller.group_name and r is route for g, r, *_ in gateway.admission.leases()
         ):
@@ -59,14 +73,16 @@ async def handle(gateway: Gateway, scope: Scope, receive: Receive, send: Send, b
         )
 
 
-def _reserve(gateway: Gateway, caller: Caller, body: bytes) -> dict[str, Any]:
+def _reserve(pipeline: Pipeline, caller: Caller, body: bytes) -> dict[str, Any]:
     try:
         payload = orjson.loads(body or b"{}")
     except orjson.JSONDecodeError:
         raise bad_request('The body must be JSON: {"model", "slots"?, "ttl"?}.') from None
     if not isinstance(payload, dict) or not isinstance(payload.get("model"), str):
         raise bad_request("Missing 'model': which model's slots to reserve.", param="model")
-    served = lookup(gateway, payload["model"])
+    # The pipeline's gates before a lane may hold slots: lookup, pause, keys.
+    served = pipeline.gates(Inbound(payload["model"], "/v1/reservations", caller.key), caller)
+    gateway = pipeline.gw
     route = served.primary  # V1: the primary (top-quality) backend
     capacity = route.config.max_concurrent
     slots = payload.get("slots", 1)

@@ -19,9 +19,9 @@ import jinja2
 
 from corrallm import __version__
 from corrallm.api.auth import COOKIE, authorized, canonical
-from corrallm.api.service import ServiceError
 from corrallm.gateway import Gateway
 from corrallm.proxy.asgi import Receive, Scope, Send, read_body, send_bytes
+from corrallm.proxy.errors import ApiError
 from corrallm.ui import views
 from corrallm.ui.economics import Economics
 
@@ -129,7 +129,7 @@ class Dashboard:
             return
         try:
             data = await views.section(name, self.gw, self.economics, query)
-        except ServiceError as exc:
+        except ApiError as exc:
             await send_bytes(send, exc.status, exc.message.encode(), b"text/plain")
             return
         await self._page(send, 200, f"{name}.html", s=data)

@@ -1,4 +1,7 @@
-"""The ASGI application: the /v1 surface in raw ASGI (the hot path), liveness, and lifespan.
+"""The ASGI application: the /v1 surface in raw ASGI (the hot path), liveness, the
+management API and the dashboard, and lifespan. It composes the layers below it (the
+gateway's owners, the request pipeline and its surfaces, the management API, the
+dashboard) and nothing below imports it.
 
 Raw ASGI rather than Starlette routing on /v1: the overhead benchmark (bench/overhead.py)
 is what decides, and every microsecond here is added to every request.
@@ -33,11 +36,12 @@ from corrallm.proxy.asgi import (
 )
 from corrallm.proxy.errors import ApiError, internal, not_found
 from corrallm.proxy.inference import UPLOAD_PATHS
+from corrallm.proxy.pipeline import Pipeline
 from corrallm.ui.app import Dashboard, is_dashboard_path
 
 log = logging.getLogger("corrallm.proxy")
 
-Handler = Callable[[Gateway, Scope, Receive, Send, bytes], Awaitable[None]]
+Handler = Callable[[Pipeline, Scope, Receive, Send, bytes], Awaitable[None]]
 
 INFERENCE_PATHS = frozenset(
     {
@@ -56,6 +60,7 @@ METRICS_CONTENT_TYPE = CONTENT_TYPE.encode()
 class CorrallmApp:
     def __init__(self, gateway: Gateway, admin_token: str, web_root: Path | None = None) -> None:
         self.gateway = gateway
+        self.pipeline = Pipeline(gateway)
         self._admin_token = admin_token
         self._ids = itertools.count(1)
         self._models_body = (gateway.version, self._models_list())
@@ -69,7 +74,7 @@ class CorrallmApp:
             await self._http(scope, receive, send)
         elif kind == "websocket":
             if scope["path"] == "/v1/realtime":
-                await realtime.relay(self.gateway, scope, receive, send)
+                await realtime.relay(self.pipeline, scope, receive, send)
             else:
                 await receive()
                 await send({"type": "websocket.close", "code": 1008})
@@ -174,7 +179,7 @@ class CorrallmApp:
                 "Send a smaller body or raise maxBodySize in the config.",
                 code="body_too_large",
             ) from None
-        await handler(self.gateway, scope, receive, send, body)
+        await handler(self.pipeline, scope, receive, send, body)
 
     def _models_list(self) -> bytes:
         data = [
@@ -211,7 +216,10 @@ class CorrallmApp:
                 try:
                     await self.dashboard.stop()
                 finally:
-                    await self.gateway.stop()
+                    try:
+                        await self.gateway.stop()
+                    finally:
+                        await self.pipeline.close()
                 await send({"type": "lifespan.shutdown.complete"})
                 return
 

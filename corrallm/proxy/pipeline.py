@@ -1,0 +1,342 @@
+"""The one request pipeline (SPEC §3-§9): every surface that admits a request goes through
+the same gates, in the same order, here and nowhere else.
+
+    lookup -> modes -> pause -> keys -> spend reservation -> admission
+      -> ready + enter -> [the surface's work: forward, relay] -> leave -> release -> settle
+
+A surface (chat and friends, audio uploads and speech, realtime sessions, and later other
+dialects) is a codec around this: it reads its request into an `Inbound`, supplies the
+`work` that talks to the admitted backend, and renders the `ApiError`s raised here in its
+own shape. Reservations and the `/upstream` passthrough use the first gates (`gates()`)
+and the lifecycle table, not copies of them.
+
+What the pipeline owns beyond the gates: re-routing a request whose backend a config
+reload took away while it waited (P6), putting a preempted request that sent nothing
+back in its queue (S4), and the client's disconnect while it waits (S7).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+import aiohttp
+
+from corrallm.cost.ledger import Visit
+from corrallm.gateway import Caller, Gateway
+from corrallm.lifecycle.errors import BackendPaused, LifecycleError
+from corrallm.lifecycle.supervisor import Cause
+from corrallm.proxy.asgi import Scope, header
+from corrallm.proxy.client import Client
+from corrallm.proxy.errors import RETIRED, ApiError, lifecycle_failure, not_found, unavailable
+from corrallm.proxy.forward import DisconnectWatch, new_session
+from corrallm.routing.router import Route, ServedModel
+from corrallm.scheduler.admission import Rejected, Ticket, retry_after_header
+
+
+@dataclass(slots=True)
+class Inbound:
+    """One request as its surface read it: what the gates need to know."""
+
+    model: str
+    endpoint: str  # the path, as recorded in the activity row
+    key: str | None  # the caller's API key, if it sent one
+    size: int = 0  # bytes in
+    mode: str | None = None  # the STT surface it came in on, gated by the model's modes (U3)
+    limit: int | None = None  # the completion tokens it asks for, for the spend estimate
+
+
+@dataclass(slots=True)
+class Admitted:
+    """A request holding a slot on a ready backend, counted in flight there."""
+
+    served: ServedModel
+    caller: Caller
+    ticket: Ticket
+    visit: Visit
+
+    @property
+    def route(self) -> Route:
+        return self.ticket.route
+
+
+# The surface's part: talk to the admitted backend, fill in `visit.metered`/`ttfb_ms`, and
+# return the status to record.
+Work = Callable[[Admitted], Awaitable[int]]
+# Ends an answer already under way when a preemption takes its slot (S4).
+Preempted = Callable[[Admitted], Awaitable[None]]
+
+
+class Pipeline:
+    def __init__(self, gateway: Gateway) -> None:
+        self.gw = gateway
+        self.upstream = Client()  # the hot path's pooled HTTP/1.1 client
+        self._websockets: aiohttp.ClientSession | None = None
+
+    @property
+    def websockets(self) -> aiohttp.ClientSession:
+        """The realtime relay's upstream WebSockets (not the hot path), opened on first use."""
+        if self._websockets is None:
+            self._websockets = new_session()
+        return self._websockets
+
+    async def close(self) -> None:
+        await self.upstream.close()
+        if self._websockets is not None:
+            await self._websockets.close()
+
+    # -- the first gates, also for reservations and /upstream ------------------------
+
+    def lookup(self, model: str, reloaded: bool = False) -> ServedModel:
+        served = self.gw.models.get(model)
+        if served is None:
+            names = ", ".join(s.name for s in self.gw.served if not s.config.unlisted)
+            what = (
+                "was removed by a config reload while this request waited"
+                if reloaded
+                else "does not exist here"
+            )
+            raise not_found(
+                f"The model '{model}' {what}. Served models: {names or 'none'}. "
+                "GET /v1/models lists them with their aliases.",
+                code="model_not_found",
+            )
+        return served
+
+    def gates(self, inbound: Inbound, caller: Caller) -> ServedModel:
+        """lookup -> modes -> pause -> keys: everything decided before money or slots."""
+        served = self.lookup(inbound.model)
+        if inbound.mode is not None and not offered(served, inbound.mode):
+            raise not_found(
+                f"The model '{served.name}' is not offered on {inbound.endpoint}: its modes "
+                f"are {', '.join(modes_of(served))}. GET /v1/capabilities lists each "
+                "surface's models.",
+                code="model_not_found",
+            )
+        if self.gw.pauses.paused("model", served.name):
+            raise model_paused(served.name)
+        if not caller.known and self.gw.config.scheduler.require_keys:
+            raise ApiError(
+                401,
+                "This gateway serves only configured API keys (scheduler.requireKeys); send "
+                "yours as 'Authorization: Bearer <key>' or 'X-Corrallm-Key'.",
+                "invalid_api_key",
+                type="authentication_error",
+            )
+        return served
+
+    # -- the whole way -----------------------------------------------------------------
+
+    async def run(
+        self,
+        inbound: Inbound,
+        work: Work,
+        watch: DisconnectWatch | None = None,
+        preempted: Preempted | None = None,
+    ) -> None:
+        """Admit `inbound`, have `work` done on a ready backend, and account for it.
+
+        Raises the `ApiError` a surface renders (nothing has been sent then), or returns
+        once the answer is over. A client gone (`watch`) is recorded as 499."""
+        gw = self.gw
+        caller = gw.caller(inbound.key)
+        visit = Visit(
+            caller.key if caller.known else None,
+            caller.group_name,
+            inbound.model,
+            inbound.endpoint,
+            inbound.size,
+        )
+        try:
+            served = self.gates(inbound, caller)
+            visit.model = served.name
+            await self._admit_and_work(served, caller, visit, inbound, work, watch, preempted)
+        except ApiError as exc:
+            visit.status, visit.error = exc.status, f"{exc.code}: {exc.message}"
+            raise
+        except asyncio.CancelledError:
+            visit.status, visit.error = 499, "the client went away"
+            raise
+        finally:
+            gw.settle(visit)
+
+    async def _admit_and_work(
+        self,
+        served: ServedModel,
+        caller: Caller,
+        visit: Visit,
+        inbound: Inbound,
+        work: Work,
+        watch: DisconnectWatch | None,
+        preempted: Preempted | None,
+    ) -> None:
+        gw = self.gw
+        tiers = served.tiers_for(caller.group, gw.placeable)
+        wait = gw.ledger.reserve(visit, tiers[0][0].config, inbound.limit)
+        if wait is not None:
+            raise spend_limited(caller.group_name, wait)
+        cause: Cause = (visit.key, caller.group_name, served.name)  # who pays a cold start
+        admission = gw.admission
+        ticket: Ticket | None = None
+        try:
+            ticket = await admission.acquire(caller.group_name, caller.group, tiers)
+            while True:
+                if gw.stale(ticket.route):
+                    # P6: a reload removed or replaced the backend while this request
+                    # waited for it (or for its cold start): route it again under the
+                    # config now in force, its slot given back.
+                    admission.release(ticket)
+                    ticket = None
+                    served = self.lookup(served.name, reloaded=True)
+                    tiers = served.tiers_for(caller.group, gw.placeable)
+                    ticket = await admission.acquire(caller.group_name, caller.group, tiers)
+                    continue
+                visit.admitted_mono = visit.admitted_mono or time.monotonic()
+                visit.backend, visit.backend_id = ticket.route.config, ticket.route.id
+                visit.degraded = served.degraded(ticket.route)
+                visit.spilled = ticket.route not in tiers[0]
+                ticket.started = ticket.shielded = False
+                admitted = Admitted(served, caller, ticket, visit)
+                try:
+                    await enter_ready(ticket.route, cause)
+                    try:
+                        visit.status = await work(admitted)
+                    finally:
+                        ticket.route.endpoint.leave()
+                    return
+                except ApiError as exc:
+                    if exc.code == RETIRED and gw.stale(ticket.route):
+                        continue  # nothing was sent: route it again (above)
+                    raise
+                except asyncio.CancelledError:
+                    if not (ticket.preempted and _uncancel()):
+                        raise
+                visit.preempted = True
+                if ticket.started:  # S4: the surface ends what it began, cleanly
+                    if preempted is not None:
+                        await preempted(admitted)
+                    return
+                ticket = await admission.requeue(ticket, caller.group)  # only a delay
+        except Rejected as exc:
+            raise too_many_requests(exc) from None
+        except asyncio.CancelledError:
+            if watch is not None and watch.absorb():
+                visit.status, visit.error = 499, "the client went away"
+                return  # the client left: its slot is free and its upstream request dropped
+            raise
+        finally:
+            if ticket is not None:
+                price = gw.ledger.price(visit)
+                tokens = visit.metered.tokens if visit.metered else 0
+                admission.release(ticket, tokens, price.cost_usd)
+
+
+# -- the gates' pieces, shared with the surfaces that use only some of them -------------
+
+
+def caller_key(scope: Scope) -> str | None:
+    """The caller's API key: `Authorization: Bearer <key>` or `X-Corrallm-Key: <key>`."""
+    raw = header(scope, b"x-corrallm-key")
+    if raw:
+        return raw.decode("latin-1").strip()
+    auth = header(scope, b"authorization")
+    if auth and auth[:7].lower() == b"bearer ":
+        return auth[7:].decode("latin-1").strip() or None
+    return None
+
+
+# Surfaces an STT model's `modes` gate (SPEC §12 U3); empty modes offer both.
+SURFACE_MODE = {
+    "/v1/audio/transcriptions": "batch",
+    "/v1/audio/translations": "batch",
+    "/v1/realtime": "realtime",
+}
+
+
+def modes_of(served: ServedModel) -> list[str]:
+    modes = {m for r in served.routes for m in r.config.modes}
+    return sorted(modes) or ["batch", "realtime"]
+
+
+def offered(served: ServedModel, mode: str) -> bool:
+    return mode in modes_of(served)
+
+
+async def ready(route: Route, cause: Cause | None = None) -> None:
+    """Wait until the route's backend is ready (starting it), errors as the table says."""
+    try:
+        await route.endpoint.ensure_ready(cause)
+    except BackendPaused as exc:
+        raise model_paused(route.model) from exc
+    except LifecycleError as exc:
+        raise lifecycle_failure(exc) from exc
+
+
+async def enter_ready(route: Route, cause: Cause | None = None) -> None:
+    """Wait until the backend is ready and count this request in flight on it."""
+    while True:
+        await ready(route, cause)
+        if route.endpoint.enter():
+            return
+
+
+def model_paused(model: str) -> ApiError:
+    # F3: a pause is a decision, not congestion: no Retry-After.
+    return unavailable(
+        f"The model '{model}' is paused by an operator; it serves again once unpaused.",
+        code="paused",
+    )
+
+
+def spend_limited(group: str, wait: float) -> ApiError:
+    """S6: the lane's spendLimit would be passed; come back when enough spend has aged out."""
+    retry = retry_after_header(wait)
+    error = ApiError(
+        429,
+        f"Lane '{group}' has reached its spendLimit for the window; this request's estimated "
+        f"cost would pass it. Retry after {retry}s, when enough spend has left the window.",
+        "spend_limit",
+        type="rate_limit_error",
+        headers={"retry-after": retry},
+    )
+    error.extra = {"retry_after_seconds": int(retry)}
+    return error
+
+
+def too_many_requests(exc: Rejected) -> ApiError:
+    """S5: 429 with when to come back, in the headers and in the body."""
+    d = exc.decision
+    retry = retry_after_header(d.retry_after)
+    why = {
+        "queue_full": "its queue is full",
+        "max_wait_exceeded": "no slot came free within maxWait",
+        "saturated": "every slot is busy and this lane does not queue",
+    }[exc.reason]
+    error = ApiError(
+        429,
+        f"Backend '{d.backend}' cannot take this request now: {why} "
+        f"({d.in_flight}/{d.capacity} slots busy, {d.waiting} waiting). Retry after {retry}s.",
+        exc.reason,
+        type="rate_limit_error",
+        headers={
+            "retry-after": retry,
+            "x-ratelimit-capacity": str(d.capacity),
+            "x-ratelimit-inflight": str(d.in_flight),
+            "x-ratelimit-waiting": str(d.waiting),
+        },
+    )
+    error.extra = {
+        "retry_after_seconds": int(retry),
+        "capacity": d.capacity,
+        "in_flight": d.in_flight,
+        "waiting": d.waiting,
+    }
+    return error
+
+
+def _uncancel() -> bool:
+    """Spend a cancel that was a preemption; True if no other cancel is pending."""
+    task = asyncio.current_task()
+    return task is not None and task.uncancel() == 0
