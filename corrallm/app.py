@@ -204,7 +204,6 @@ class CorrallmApp:
             if message["type"] == "lifespan.startup":
                 try:
                     await self.gateway.start()
-                    await self.dashboard.start()
                 except Exception as exc:
                     log.exception("startup failed")
                     await send({"type": "lifespan.startup.failed", "message": str(exc)})
@@ -214,12 +213,9 @@ class CorrallmApp:
                 await send({"type": "lifespan.startup.complete"})
             elif message["type"] == "lifespan.shutdown":
                 try:
-                    await self.dashboard.stop()
+                    await self.gateway.stop()
                 finally:
-                    try:
-                        await self.gateway.stop()
-                    finally:
-                        await self.pipeline.close()
+                    await self.pipeline.close()
                 await send({"type": "lifespan.shutdown.complete"})
                 return
 

@@ -7,8 +7,8 @@ else is read from the gateway's own state when Prometheus scrapes, by a custom c
 from __future__ import annotations
 
 from collections import Counter, defaultdict
-from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from collections.abc import Iterator, Mapping
+from typing import TYPE_CHECKING, Any, Protocol
 
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -16,15 +16,34 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from corrallm.lifecycle.state import State
 
 if TYPE_CHECKING:
+    from corrallm.config import Config
     from corrallm.cost.ledger import Visit
-    from corrallm.gateway import Gateway
     from corrallm.lifecycle.supervisor import Supervisor
+    from corrallm.residency.manager import Residency
+    from corrallm.routing.router import Route
+    from corrallm.scheduler.admission import Admission
+
+
+class Observed(Protocol):
+    """What a scrape reads of the running gateway (which is one), without importing it."""
+
+    @property
+    def config(self) -> Config: ...
+    @property
+    def admission(self) -> Admission: ...
+    @property
+    def routes(self) -> Mapping[str, Route]: ...
+    @property
+    def supervisors(self) -> Mapping[str, Supervisor]: ...
+    @property
+    def residency(self) -> Residency: ...
+
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 
 class Metrics:
-    def __init__(self, gateway: Gateway) -> None:
+    def __init__(self, gateway: Observed) -> None:
         self.gateway = gateway
         self.requests: Counter[tuple[str, str, str, str]] = Counter()
         self.tokens: Counter[tuple[str, str, str]] = Counter()
@@ -36,7 +55,7 @@ class Metrics:
         self.loads: Counter[str] = Counter()
         self.load_seconds: defaultdict[str, float] = defaultdict(float)
         self._registry = CollectorRegistry(auto_describe=False)
-        self._registry.register(self)  # type: ignore[arg-type]
+        self._registry.register(self)
 
     # -- fed by the gateway ------------------------------------------------------------
 
@@ -138,7 +157,7 @@ class Metrics:
 
 
 def _counter(
-    name: str, doc: str, labels: list[str], values: Counter[tuple[str, ...]] | dict
+    name: str, doc: str, labels: list[str], values: Mapping[Any, float]
 ) -> CounterMetricFamily:
     family = CounterMetricFamily(name, doc, labels=labels)
     for key, value in values.items():

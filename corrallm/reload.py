@@ -1,15 +1,16 @@
 """Config hot reload (SPEC §10 P6): `SIGHUP` or `POST /api/v1/config/reload`.
 
 The new file is validated first; a bad one is refused with every problem listed and the
-old config stays in force. Otherwise the gateway's tables are rebuilt in place:
-unchanged backends keep their running process and keep serving; changed ones are
-drained and stopped, and their replacement starts on demand only once the old process
-is gone; removed ones are drained and stopped; new ones are available at once.
+old config stays in force. Otherwise the gateway swaps in the new config's topology
+(`Gateway.reconfigure`): unchanged backends keep their running process and keep serving;
+changed ones are retired (drained and stopped) and their replacement starts on demand
+only once the old process is gone (`Supervisor.follows`); removed ones are retired; new
+ones are available at once. The long-lived owners (admission, ledger, residency, pauses,
+the economics ledger, metrics) are kept, with what they have counted.
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from dataclasses import dataclass, field
 
@@ -35,11 +36,7 @@ def read_config(gateway: Gateway) -> Config:
 
 
 async def reload(gateway: Gateway, config: Config) -> Report:
-    before = dict(gateway.supervisors)
-    gateway.configure(config)
-    gateway.pauses.targets = gateway._pausables()
-    gateway.admission.reconfigure(config, gateway.routes)
-    gateway.ledger.reconfigure(config)
+    before = gateway.reconfigure(config).supervisors
     after = gateway.supervisors
     report = Report(
         kept=sorted(s for s in after if before.get(s) is after[s]),
@@ -49,15 +46,11 @@ async def reload(gateway: Gateway, config: Config) -> Report:
         if after.get(sid) is old:
             continue
         (report.restarted if sid in after else report.removed).append(sid)
-        retiring = asyncio.create_task(old.retire(), name=f"retire-{sid}")
-        gateway._tasks.add(retiring)
-        retiring.add_done_callback(gateway._tasks.discard)
+        retiring = gateway.background(old.retire())
         if sid in after:  # its replacement never starts before the old process is gone
             after[sid].follows(retiring)
     await _pause_replacements(gateway)
-    for served in gateway.served:
-        if served.config.persistent and not gateway.pauses.paused("model", served.name):
-            gateway._background(gateway._preload(served))
+    gateway.preload()
     log.info(
         "config reloaded: kept=%s restarted=%s removed=%s added=%s",
         report.kept,
@@ -70,7 +63,7 @@ async def reload(gateway: Gateway, config: Config) -> Report:
 
 async def _pause_replacements(gateway: Gateway) -> None:
     """New processes of paused models and extensions start out paused too."""
-    for (kind, name), _ in list(gateway.pauses.until.items()):
+    for kind, name in list(gateway.pauses.until):
         target = gateway.pauses.targets.get((kind, name))
         if target is not None and gateway.pauses.paused(kind, name):
             for sup in target.supervisors:

@@ -3,15 +3,17 @@
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
 import uvicorn
 
 from corrallm.api.auth import ensure_token
+from corrallm.app import CorrallmApp
 from corrallm.config import Config
 from corrallm.gateway import Gateway
-from corrallm.app import CorrallmApp
+from corrallm.head_guard import HeadGuard, HeadLimits, fds_free, protocol_class, raise_fd_limit
 
 # Open streams get this long to finish on SIGTERM/SIGINT before they are cut and every
 # backend is stopped.
@@ -42,6 +44,11 @@ def parse_addr(addr: str) -> tuple[str, int]:
 def run(config: Config, options: ServeOptions) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
     host, port = parse_addr(options.addr)
+    fd_limit = raise_fd_limit()
+    try:
+        limits = HeadLimits.from_env(os.environ, fds_free(fd_limit))
+    except ValueError as exc:
+        raise SystemExit(f"corrallm serve: {exc}") from None
     options.home.mkdir(parents=True, exist_ok=True)
     gateway = Gateway(
         config,
@@ -62,13 +69,23 @@ def run(config: Config, options: ServeOptions) -> None:
         port,
         options.home,
     )
+    logging.getLogger("corrallm.http").info(
+        "request heads: %gs header timeout, %d bytes at most, %d pending at most "
+        "(file descriptors: %d)",
+        limits.timeout,
+        limits.max_bytes,
+        limits.max_pending,
+        fd_limit,
+    )
     server = uvicorn.Server(
         uvicorn.Config(
             CorrallmApp(gateway, token, options.web_root),
             host=host,
             port=port,
             loop="uvloop",
-            http="httptools",
+            # uvicorn's httptools protocol with a header timeout, a head size limit and a
+            # cap on connections still sending their head (corrallm/head_guard.py).
+            http=protocol_class(HeadGuard(limits)),
             lifespan="on",
             access_log=False,
             log_level="info",

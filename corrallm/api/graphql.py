@@ -23,6 +23,13 @@ from corrallm.proxy.errors import ApiError
 
 _TYPES: dict[type[BaseModel], type] = {}
 
+BigInt = strawberry.scalar(
+    typing.NewType("BigInt", int),
+    description="An integer that may pass 2^31 (GraphQL's Int is 32-bit): sizes in bytes.",
+    serialize=int,
+    parse_value=int,
+)
+
 
 def _gql(model: type[BaseModel]) -> type:
     """The Strawberry type of a response model (its nested models first)."""
@@ -34,6 +41,8 @@ def _gql(model: type[BaseModel]) -> type:
             _gql(inner)
         if typing.get_origin(field.annotation) is dict or _is_optional_dict(field.annotation):
             overrides[name] = JSON | None if _is_optional_dict(field.annotation) else JSON
+        elif schemas.WIDE in field.metadata:
+            overrides[name] = BigInt
     namespace = {"__annotations__": overrides}
     cls = sp.type(model=model, all_fields=True, name=model.__name__)(
         type(model.__name__, (), namespace)
@@ -103,6 +112,7 @@ Overview = _gql(schemas.Overview)
 Residency = _gql(schemas.Residency)
 Lanes = _gql(schemas.Lanes)
 Reservations = _gql(schemas.Reservations)
+Economics = _gql(schemas.Economics)
 ReloadResult = _gql(schemas.ReloadResult)
 Logs = _gql(schemas.Logs)
 ActionResult = _gql(schemas.ActionResult)
@@ -115,132 +125,193 @@ QueueDepth = _gql(schemas.QueueDepth)
 ActivityList = _gql(schemas.ActivityList)
 
 
+# -- resolvers: typed functions; the fields below give each its GraphQL type -------------
+
+
+def _overview(info: Info) -> Any:
+    return _sync(schemas.Overview, service.overview, _gw(info))
+
+
+def _residency(info: Info) -> Any:
+    return _sync(schemas.Residency, service.residency, _gw(info))
+
+
+def _lanes(info: Info) -> Any:
+    return _sync(schemas.Lanes, service.lanes, _gw(info))
+
+
+def _reservations(info: Info) -> Any:
+    return _sync(schemas.Reservations, service.reservations, _gw(info))
+
+
+def _economics(info: Info) -> Any:
+    return _sync(schemas.Economics, service.economics, _gw(info))
+
+
+def _model_logs(info: Info, model: str, lines: int = 100) -> Any:
+    return _sync(schemas.Logs, service.model_logs, _gw(info), model, lines)
+
+
+async def _usage_by_key(info: Info, since: str | None = None, until: str | None = None) -> Any:
+    return await _call(schemas.UsageByKey, usage.usage_by_key(_gw(info), since, until))
+
+
+async def _usage_rollup(info: Info, since: str | None = None, until: str | None = None) -> Any:
+    return await _call(schemas.UsageRollup, usage.usage_rollup(_gw(info), since, until))
+
+
+async def _usage_series(
+    info: Info, since: str | None = None, until: str | None = None, bucket: str | None = None
+) -> Any:
+    call = usage.usage_series(_gw(info), since, until, bucket)
+    return await _call(schemas.UsageSeries, call)
+
+
+async def _usage_series_by_group(
+    info: Info, since: str | None = None, until: str | None = None, bucket: str | None = None
+) -> Any:
+    call = usage.usage_series(_gw(info), since, until, bucket, by_group=True)
+    return await _call(schemas.UsageGroupSeries, call)
+
+
+async def _queue_depth(
+    info: Info, since: str | None = None, until: str | None = None, bucket: str | None = None
+) -> Any:
+    call = usage.queue_depth(_gw(info), since, until, bucket)
+    return await _call(schemas.QueueDepth, call)
+
+
+async def _activity(
+    info: Info,
+    limit: int = 100,
+    key: str | None = None,
+    model: str | None = None,
+    group: str | None = None,
+    since: str | None = None,
+    until: str | None = None,
+) -> Any:
+    call = usage.activity(_gw(info), limit, key, model, group, since, until)
+    return await _call(schemas.ActivityList, call)
+
+
+async def _reload_config(info: Info) -> Any:
+    return await _call(schemas.ReloadResult, service.reload_config(_gw(info)))
+
+
+async def _load_model(info: Info, model: str) -> Any:
+    return await _call(schemas.ActionResult, service.load_model(_gw(info), model))
+
+
+async def _unload_model(info: Info, model: str, force: bool = False) -> Any:
+    return await _call(schemas.ActionResult, service.unload_model(_gw(info), model, force))
+
+
+async def _pause_model(info: Info, model: str, until: str | None = None) -> Any:
+    return await _call(schemas.PauseResult, service.pause(_gw(info), "model", model, until))
+
+
+async def _unpause_model(info: Info, model: str) -> Any:
+    return await _call(schemas.PauseResult, service.unpause(_gw(info), "model", model))
+
+
+async def _load_extension(info: Info, extension: str) -> Any:
+    return await _call(schemas.ActionResult, service.load_extension(_gw(info), extension))
+
+
+async def _unload_extension(info: Info, extension: str, force: bool = False) -> Any:
+    call = service.unload_extension(_gw(info), extension, force)
+    return await _call(schemas.ActionResult, call)
+
+
+async def _pause_extension(info: Info, extension: str, until: str | None = None) -> Any:
+    call = service.pause(_gw(info), "extension", extension, until)
+    return await _call(schemas.PauseResult, call)
+
+
+async def _unpause_extension(info: Info, extension: str) -> Any:
+    call = service.unpause(_gw(info), "extension", extension)
+    return await _call(schemas.PauseResult, call)
+
+
 @strawberry.type
 class Query:
-    @strawberry.field(description="GET /api/v1/overview")
-    def overview(self, info: Info) -> Overview:  # type: ignore[valid-type]
-        return _sync(schemas.Overview, service.overview, _gw(info))
-
-    @strawberry.field(description="GET /api/v1/residency")
-    def residency(self, info: Info) -> Residency:  # type: ignore[valid-type]
-        return _sync(schemas.Residency, service.residency, _gw(info))
-
-    @strawberry.field(description="GET /api/v1/lanes")
-    def lanes(self, info: Info) -> Lanes:  # type: ignore[valid-type]
-        return _sync(schemas.Lanes, service.lanes, _gw(info))
-
-    @strawberry.field(description="GET /api/v1/reservations")
-    def reservations(self, info: Info) -> Reservations:  # type: ignore[valid-type]
-        return _sync(schemas.Reservations, service.reservations, _gw(info))
-
-    @strawberry.field(description="GET /api/v1/models/logs")
-    def model_logs(self, info: Info, model: str, lines: int = 100) -> Logs:  # type: ignore[valid-type]
-        return _sync(schemas.Logs, service.model_logs, _gw(info), model, lines)
-
-    @strawberry.field(description="GET /api/v1/usage/by-key")
-    async def usage_by_key(
-        self, info: Info, since: str | None = None, until: str | None = None
-    ) -> UsageByKey:  # type: ignore[valid-type]
-        return await _call(schemas.UsageByKey, usage.usage_by_key(_gw(info), since, until))
-
-    @strawberry.field(description="GET /api/v1/usage/rollup")
-    async def usage_rollup(
-        self, info: Info, since: str | None = None, until: str | None = None
-    ) -> UsageRollup:  # type: ignore[valid-type]
-        return await _call(schemas.UsageRollup, usage.usage_rollup(_gw(info), since, until))
-
-    @strawberry.field(description="GET /api/v1/usage/series")
-    async def usage_series(
-        self,
-        info: Info,
-        since: str | None = None,
-        until: str | None = None,
-        bucket: str | None = None,
-    ) -> UsageSeries:  # type: ignore[valid-type]
-        call = usage.usage_series(_gw(info), since, until, bucket)
-        return await _call(schemas.UsageSeries, call)
-
-    @strawberry.field(description="GET /api/v1/usage/series-by-group")
-    async def usage_series_by_group(
-        self,
-        info: Info,
-        since: str | None = None,
-        until: str | None = None,
-        bucket: str | None = None,
-    ) -> UsageGroupSeries:  # type: ignore[valid-type]
-        call = usage.usage_series(_gw(info), since, until, bucket, by_group=True)
-        return await _call(schemas.UsageGroupSeries, call)
-
-    @strawberry.field(description="GET /api/v1/usage/queue-depth")
-    async def queue_depth(
-        self,
-        info: Info,
-        since: str | None = None,
-        until: str | None = None,
-        bucket: str | None = None,
-    ) -> QueueDepth:  # type: ignore[valid-type]
-        call = usage.queue_depth(_gw(info), since, until, bucket)
-        return await _call(schemas.QueueDepth, call)
-
-    @strawberry.field(description="GET /api/v1/activity")
-    async def activity(
-        self,
-        info: Info,
-        limit: int = 100,
-        key: str | None = None,
-        model: str | None = None,
-        group: str | None = None,
-        since: str | None = None,
-        until: str | None = None,
-    ) -> ActivityList:  # type: ignore[valid-type]
-        call = usage.activity(_gw(info), limit, key, model, group, since, until)
-        return await _call(schemas.ActivityList, call)
+    overview = strawberry.field(
+        resolver=_overview, graphql_type=Overview, description="GET /api/v1/overview"
+    )
+    residency = strawberry.field(
+        resolver=_residency, graphql_type=Residency, description="GET /api/v1/residency"
+    )
+    lanes = strawberry.field(resolver=_lanes, graphql_type=Lanes, description="GET /api/v1/lanes")
+    reservations = strawberry.field(
+        resolver=_reservations, graphql_type=Reservations, description="GET /api/v1/reservations"
+    )
+    economics = strawberry.field(
+        resolver=_economics, graphql_type=Economics, description="GET /api/v1/economics"
+    )
+    model_logs = strawberry.field(
+        resolver=_model_logs, graphql_type=Logs, description="GET /api/v1/models/logs"
+    )
+    usage_by_key = strawberry.field(
+        resolver=_usage_by_key, graphql_type=UsageByKey, description="GET /api/v1/usage/by-key"
+    )
+    usage_rollup = strawberry.field(
+        resolver=_usage_rollup, graphql_type=UsageRollup, description="GET /api/v1/usage/rollup"
+    )
+    usage_series = strawberry.field(
+        resolver=_usage_series, graphql_type=UsageSeries, description="GET /api/v1/usage/series"
+    )
+    usage_series_by_group = strawberry.field(
+        resolver=_usage_series_by_group,
+        graphql_type=UsageGroupSeries,
+        description="GET /api/v1/usage/series-by-group",
+    )
+    queue_depth = strawberry.field(
+        resolver=_queue_depth, graphql_type=QueueDepth, description="GET /api/v1/usage/queue-depth"
+    )
+    activity = strawberry.field(
+        resolver=_activity, graphql_type=ActivityList, description="GET /api/v1/activity"
+    )
 
 
 @strawberry.type
 class Mutation:
-    @strawberry.mutation(description="POST /api/v1/config/reload")
-    async def reload_config(self, info: Info) -> ReloadResult:  # type: ignore[valid-type]
-        return await _call(schemas.ReloadResult, service.reload_config(_gw(info)))
-
-    @strawberry.mutation(description="POST /api/v1/models/load")
-    async def load_model(self, info: Info, model: str) -> ActionResult:  # type: ignore[valid-type]
-        return await _call(schemas.ActionResult, service.load_model(_gw(info), model))
-
-    @strawberry.mutation(description="POST /api/v1/models/unload")
-    async def unload_model(self, info: Info, model: str, force: bool = False) -> ActionResult:  # type: ignore[valid-type]
-        return await _call(schemas.ActionResult, service.unload_model(_gw(info), model, force))
-
-    @strawberry.mutation(description="POST /api/v1/models/pause")
-    async def pause_model(self, info: Info, model: str, until: str | None = None) -> PauseResult:  # type: ignore[valid-type]
-        return await _call(schemas.PauseResult, service.pause(_gw(info), "model", model, until))
-
-    @strawberry.mutation(description="POST /api/v1/models/unpause")
-    async def unpause_model(self, info: Info, model: str) -> PauseResult:  # type: ignore[valid-type]
-        return await _call(schemas.PauseResult, service.unpause(_gw(info), "model", model))
-
-    @strawberry.mutation(description="POST /api/v1/extensions/load")
-    async def load_extension(self, info: Info, extension: str) -> ActionResult:  # type: ignore[valid-type]
-        return await _call(schemas.ActionResult, service.load_extension(_gw(info), extension))
-
-    @strawberry.mutation(description="POST /api/v1/extensions/unload")
-    async def unload_extension(
-        self, info: Info, extension: str, force: bool = False
-    ) -> ActionResult:  # type: ignore[valid-type]
-        call = service.unload_extension(_gw(info), extension, force)
-        return await _call(schemas.ActionResult, call)
-
-    @strawberry.mutation(description="POST /api/v1/extensions/pause")
-    async def pause_extension(
-        self, info: Info, extension: str, until: str | None = None
-    ) -> PauseResult:  # type: ignore[valid-type]
-        call = service.pause(_gw(info), "extension", extension, until)
-        return await _call(schemas.PauseResult, call)
-
-    @strawberry.mutation(description="POST /api/v1/extensions/unpause")
-    async def unpause_extension(self, info: Info, extension: str) -> PauseResult:  # type: ignore[valid-type]
-        call = service.unpause(_gw(info), "extension", extension)
-        return await _call(schemas.PauseResult, call)
+    reload_config = strawberry.mutation(
+        resolver=_reload_config, graphql_type=ReloadResult, description="POST /api/v1/config/reload"
+    )
+    load_model = strawberry.mutation(
+        resolver=_load_model, graphql_type=ActionResult, description="POST /api/v1/models/load"
+    )
+    unload_model = strawberry.mutation(
+        resolver=_unload_model, graphql_type=ActionResult, description="POST /api/v1/models/unload"
+    )
+    pause_model = strawberry.mutation(
+        resolver=_pause_model, graphql_type=PauseResult, description="POST /api/v1/models/pause"
+    )
+    unpause_model = strawberry.mutation(
+        resolver=_unpause_model,
+        graphql_type=PauseResult,
+        description="POST /api/v1/models/unpause",
+    )
+    load_extension = strawberry.mutation(
+        resolver=_load_extension,
+        graphql_type=ActionResult,
+        description="POST /api/v1/extensions/load",
+    )
+    unload_extension = strawberry.mutation(
+        resolver=_unload_extension,
+        graphql_type=ActionResult,
+        description="POST /api/v1/extensions/unload",
+    )
+    pause_extension = strawberry.mutation(
+        resolver=_pause_extension,
+        graphql_type=PauseResult,
+        description="POST /api/v1/extensions/pause",
+    )
+    unpause_extension = strawberry.mutation(
+        resolver=_unpause_extension,
+        graphql_type=PauseResult,
+        description="POST /api/v1/extensions/unpause",
+    )
 
 
 SCHEMA = strawberry.Schema(query=Query, mutation=Mutation)
@@ -250,7 +321,7 @@ def sdl() -> str:
     return SCHEMA.as_str()
 
 
-class _App(GraphQL):  # type: ignore[type-arg]
+class _App(GraphQL[dict[str, Any], None]):
     def __init__(self, gateway: Gateway) -> None:
         super().__init__(SCHEMA, graphql_ide=None)
         self.gateway = gateway

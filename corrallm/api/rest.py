@@ -6,17 +6,23 @@ Admin auth is checked before any request reaches this app (see `api/auth.py`).
 
 from __future__ import annotations
 
+import logging
+import uuid
 from typing import Annotated, Any
 
 from fastapi import FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from corrallm import __version__
 from corrallm.api import schemas, service, usage
 from corrallm.gateway import Gateway
-from corrallm.proxy.errors import ApiError
+from corrallm.proxy.errors import ApiError, internal
+from corrallm.store.db import StoreUnavailable
+
+log = logging.getLogger("corrallm.api")
 
 PREFIX = "/api/v1"
 
@@ -43,6 +49,38 @@ def error(
     return JSONResponse(body, status_code=status, headers=headers)
 
 
+class Unexpected:
+    """No exception leaves the management API as a bare plain-text 500: it is logged with
+    its traceback under a request id, and the client gets an OpenAI-shaped 500 naming that
+    id (unless the answer had already begun; then the connection just ends)."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        started = False
+
+        async def watched(message: Message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, watched)
+        except Exception:
+            if scope["type"] != "http":
+                raise
+            request_id = uuid.uuid4().hex[:16]
+            log.exception("request=%s %s %s failed", request_id, scope["method"], scope["path"])
+            if not started:
+                error = internal(
+                    f"corrallm hit an unexpected error (request {request_id}); the gateway "
+                    "log has the details under that id."
+                )
+                error.headers["x-request-id"] = request_id
+                await error.send(send)
+
+
 def build_rest(gw: Gateway) -> FastAPI:
     app = FastAPI(
         title="corrallm management API",
@@ -53,9 +91,20 @@ def build_rest(gw: Gateway) -> FastAPI:
         responses=schemas.ERRORS,
     )
 
+    app.add_middleware(Unexpected)
+
     @app.exception_handler(ApiError)
     async def service_error(_: Request, exc: ApiError) -> JSONResponse:
         return error(exc.status, exc.message, exc.code, exc.type, exc.param, exc.headers)
+
+    @app.exception_handler(StoreUnavailable)
+    async def store_error(_: Request, exc: StoreUnavailable) -> JSONResponse:
+        return error(
+            503,
+            f"The store failed ({exc.reason}: {exc.path}). To fix: {exc.fix}, then try again.",
+            "store_unavailable",
+            "api_error",
+        )
 
     @app.exception_handler(RequestValidationError)
     async def invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
@@ -79,6 +128,13 @@ def build_rest(gw: Gateway) -> FastAPI:
     @app.get(f"{PREFIX}/residency", response_model=schemas.Residency)
     async def residency() -> dict[str, Any]:
         return service.residency(gw)
+
+    @app.get(f"{PREFIX}/economics", response_model=schemas.Economics)
+    async def economics() -> dict[str, Any]:
+        """The economics ledger (SPEC §11 D1): per backend of the config in force, wakes,
+        sleeps, time asleep, wake latencies and the GPU-hours its sleeps returned; counted
+        from install on, across reloads and restarts."""
+        return service.economics(gw)
 
     @app.get(f"{PREFIX}/reservations", response_model=schemas.Reservations)
     async def reservations() -> dict[str, Any]:

@@ -3,7 +3,18 @@ for the OpenAPI document."""
 
 from __future__ import annotations
 
+from typing import Annotated
+
 from pydantic import BaseModel, ConfigDict, Field
+
+
+class Wide:
+    """Marks an integer that may pass 2^31 (sizes in bytes): GraphQL's `Int` is 32-bit, so
+    its GraphQL type is `BigInt` (api/graphql.py); REST and OpenAPI see a plain integer."""
+
+
+WIDE = Wide()
+Bytes = Annotated[int, WIDE]
 
 
 class Body(BaseModel):
@@ -244,6 +255,33 @@ class Reservations(BaseModel):
     reservations: list[ReservationView]
 
 
+# -- the economics ledger (SPEC §14, §11 D1) ----------------------------------------------
+
+
+class EconomicsRow(BaseModel):
+    backend: str
+    asleep_now: bool = Field(description="stopped, paused or failed: its memory handed back")
+    wakes: int = Field(description="starts that reached ready")
+    sleeps: int = Field(description="stops after a wake (failed starts are not counted)")
+    asleep_seconds: float
+    wake_count: int = Field(description="wakes with a measured load time")
+    wake_seconds_last: float | None
+    wake_seconds_avg: float | None
+    wake_seconds_max: float | None
+    gpu_footprint: Bytes = Field(description="bytes it declares in pools named gpu*")
+    gpu_hours: float = Field(description="hours asleep x GPU footprint / total GPU capacity")
+    first_seen: str = Field(description="when counting began for it, RFC 3339")
+
+
+class Economics(BaseModel):
+    since: str = Field(description="when counting began (the earliest row's), RFC 3339")
+    gpu_capacity: Bytes = Field(description="bytes in all servers' pools named gpu*")
+    gpu_hours: float = Field(description="GPU-hours returned to the pool, all rows")
+    gpu_hour_price: float | None = Field(description="ledger.gpuHourPrice; null: not set")
+    avoided_usd: float | None = Field(description="gpu_hours x gpu_hour_price; null: no price")
+    rows: list[EconomicsRow] = Field(description="one per backend of the config in force")
+
+
 class ErrorDetail(BaseModel):
     model_config = ConfigDict(extra="allow")
     message: str = Field(description="what went wrong and what to do about it")
@@ -266,8 +304,11 @@ ERRORS: dict[int | str, dict[str, object]] = {
         404: "no such model, extension or endpoint",
         409: "another lifecycle action is under way on that process",
         423: "paused: unpause it first",
+        500: "corrallm hit an unexpected error; the message carries the request id to find "
+        "in the gateway log",
         502: "the backend failed to start or did not answer; the message carries its log",
-        503: "no room could be made in the memory pools",
+        503: "no room could be made in the memory pools, or the store could not save a "
+        "change (store_unavailable: nothing was changed)",
     }.items()
 }
 

@@ -1,15 +1,19 @@
-"""The one service layer behind every management surface (REST now; GraphQL, the dashboard
-and the CLI later): operator actions and the views of SPEC §14, usage and activity included.
-Plain functions over the gateway; surfaces render its `ApiError`s in their own
-shapes."""
+"""The one service layer behind every management surface (REST, GraphQL, the dashboard):
+operator actions and the views of SPEC §14 (usage and activity in `usage.py`). Plain
+functions over the gateway; surfaces render its `ApiError`s in their own shapes.
+
+A management write that cannot be made durable fails as a whole: the store is written
+first, and only then is anything changed (`store_unavailable`, 503, otherwise)."""
 
 from __future__ import annotations
 
 import math
 import time
 from datetime import UTC, datetime
+from pathlib import Path
 from typing import Any
 
+from corrallm.config import ConfigError
 from corrallm.config.units import parse_duration, rfc3339
 from corrallm.gateway import Gateway
 from corrallm.lifecycle.errors import LifecycleBusy, LifecycleError
@@ -18,6 +22,7 @@ from corrallm.lifecycle.supervisor import Supervisor
 from corrallm.proxy.errors import ApiError, lifecycle_failure
 from corrallm.proxy.reservations import live_leases
 from corrallm.routing.router import ServedModel
+from corrallm.store.db import StoreUnavailable
 
 # -- lookups -------------------------------------------------------------------------
 
@@ -132,14 +137,30 @@ def _pause_target(gw: Gateway, kind: Kind, name: str) -> str:
 async def pause(gw: Gateway, kind: Kind, name: str, until: str | float | None) -> dict[str, Any]:
     target = _pause_target(gw, kind, name)
     when = parse_until(until)
-    await gw.pauses.pause(kind, target, when)
+    try:
+        await gw.pauses.pause(kind, target, when)
+    except StoreUnavailable as exc:
+        raise store_unavailable(exc, f"pause {kind} '{target}'") from exc
     return {kind: target, "paused": True, "paused_until": rfc3339(when)}
 
 
 async def unpause(gw: Gateway, kind: Kind, name: str) -> dict[str, Any]:
     target = _pause_target(gw, kind, name)
-    await gw.pauses.unpause(kind, target)
+    try:
+        await gw.pauses.unpause(kind, target)
+    except StoreUnavailable as exc:
+        raise store_unavailable(exc, f"unpause {kind} '{target}'") from exc
     return {kind: target, "paused": False, "paused_until": None}
+
+
+def store_unavailable(exc: StoreUnavailable, action: str) -> ApiError:
+    """A management write the store could not keep: nothing was changed (C5)."""
+    return ApiError(
+        503,
+        f"Could not {action}: the store could not save it ({exc.reason}: {exc.path}), so "
+        f"nothing was changed. To fix: {exc.fix}, then try again.",
+        "store_unavailable",
+    )
 
 
 async def load_extension(gw: Gateway, name: str) -> dict[str, Any]:
@@ -289,6 +310,13 @@ def lanes(gw: Gateway) -> dict[str, Any]:
     return {"lanes": rows}
 
 
+def economics(gw: Gateway) -> dict[str, Any]:
+    """SPEC §14, §11 D1: the economics ledger, one row per backend of the config in force."""
+    ledger = gw.economics.view()
+    rows = [{**row, "first_seen": rfc3339(row["first_seen"])} for row in ledger["rows"]]
+    return {**ledger, "since": rfc3339(ledger["since"]), "rows": rows}
+
+
 def reservations(gw: Gateway) -> dict[str, Any]:
     """Live leases (SPEC §7): who holds how many slots of which backend, until when."""
     return {"reservations": live_leases(gw)}
@@ -296,17 +324,12 @@ def reservations(gw: Gateway) -> dict[str, Any]:
 
 async def reload_config(gw: Gateway) -> dict[str, Any]:
     """SPEC §10 P6: re-read the config file; refused with every problem if it is bad."""
-    from corrallm.config import ConfigError
     from corrallm.reload import read_config, reload
 
     try:
         config = read_config(gw)
     except ConfigError as exc:
-        raise ApiError(
-            400,
-            "The new config was refused; the old one stays in force. " + "; ".join(exc.problems),
-            "invalid_config",
-        ) from exc
+        raise _refused(exc) from exc
     report = await reload(gw, config)
     return {
         "kept": report.kept,
@@ -314,3 +337,22 @@ async def reload_config(gw: Gateway) -> dict[str, Any]:
         "removed": report.removed,
         "added": report.added,
     }
+
+
+def _refused(exc: ConfigError) -> ApiError:
+    """P6: a config that cannot be used, named by its path, with every problem and the fix."""
+    source = Path(exc.source)
+    fix = (
+        f"Fix {source} and reload again."
+        if source.exists() or exc.source.startswith("<")
+        else f"Put the config file back at {source} (corrallm re-reads the file it was "
+        "started with) and reload again."
+    )
+    return ApiError(
+        400,
+        f"The new config ({source}) was refused; the old one stays in force. "
+        + "; ".join(exc.problems)
+        + ". "
+        + fix,
+        "invalid_config",
+    )

@@ -8,8 +8,7 @@ import time
 from datetime import UTC, datetime
 from typing import Any
 
-from corrallm.api.service import rfc3339
-from corrallm.config.units import parse_duration
+from corrallm.config.units import parse_duration, rfc3339
 from corrallm.gateway import Gateway
 from corrallm.proxy.errors import ApiError
 from corrallm.store import queries
@@ -51,7 +50,7 @@ def _bad_time(name: str, value: str) -> ApiError:
         f"'{name}' must be an RFC 3339 time (2026-12-01T08:00:00Z), unix seconds "
         f"(1764576000) or a duration ago (30m, 24h, 7d); got {value!r}.",
         f"invalid_{name}",
-        name,
+        param=name,
     )
 
 
@@ -69,7 +68,7 @@ def time_range(
             400,
             f"'since' ({rfc3339(start)}) must be before 'until' ({rfc3339(end)}).",
             "invalid_since",
-            "since",
+            param="since",
         )
     return start, end
 
@@ -89,7 +88,7 @@ def parse_bucket(value: str | None, since: float, until: float) -> int:
             f"'bucket' must be a whole number of seconds from 1 to {MAX_BUCKET} (3650d): a "
             f"duration (60s, 5m, 1h, 1d) or seconds (300); got {value!r}.",
             "invalid_bucket",
-            "bucket",
+            param="bucket",
         )
     bucket = int(seconds)
     points = len(queries.bucket_starts(since, until, bucket))
@@ -100,7 +99,7 @@ def parse_bucket(value: str | None, since: float, until: float) -> int:
             f"'bucket' {value!r} cuts this range into {points} buckets, more than "
             f"{queries.MAX_BUCKETS}; use a bucket of at least {least}s or a shorter range.",
             "invalid_bucket",
-            "bucket",
+            param="bucket",
         )
     return bucket
 
@@ -160,7 +159,10 @@ async def activity(
 ) -> dict[str, Any]:
     if not 1 <= limit <= MAX_ACTIVITY:
         raise ApiError(
-            400, f"'limit' must be 1 to {MAX_ACTIVITY}; got {limit}.", "invalid_limit", "limit"
+            400,
+            f"'limit' must be 1 to {MAX_ACTIVITY}; got {limit}.",
+            "invalid_limit",
+            param="limit",
         )
     start, end = time_range(since, until)
     rows = await queries.activity(gw.store, start, end, limit, key, model, group)

@@ -21,6 +21,7 @@ from corrallm.config.loading import (
 from corrallm.config.schema import (
     PORT_PLACEHOLDER,
     Backend,
+    BackendTimeouts,
     CommandCost,
     Config,
     Extension,
@@ -37,12 +38,14 @@ from corrallm.config.schema import (
     SpendLimit,
     Sticky,
     Swap,
+    Timeouts,
 )
 from corrallm.config.units import format_size, parse_duration, parse_size
 
 __all__ = [
     "PORT_PLACEHOLDER",
     "Backend",
+    "BackendTimeouts",
     "CommandCost",
     "Config",
     "ConfigError",
@@ -60,6 +63,7 @@ __all__ = [
     "SpendLimit",
     "Sticky",
     "Swap",
+    "Timeouts",
     "backend_id",
     "json_schema",
     "load_config",

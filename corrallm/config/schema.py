@@ -164,6 +164,14 @@ class ProcessSpec(Section):
         return data
 
 
+class BackendTimeouts(Section):
+    """A backend's own timeouts; each one unset falls back to the top-level `timeouts`."""
+
+    upstream_idle: Duration | None = Field(
+        None, gt=0, description="overrides timeouts.upstreamIdle for this backend"
+    )
+
+
 class Backend(ProcessSpec):
     name: str | None = None
     type: str = "chat"
@@ -177,6 +185,7 @@ class Backend(ProcessSpec):
     modes: list[Literal["batch", "realtime"]] = Field(default_factory=list)
     diarization: bool = False
     extension: str | None = None
+    timeouts: BackendTimeouts = Field(default_factory=BackendTimeouts)
 
 
 class Extension(ProcessSpec):
@@ -265,6 +274,17 @@ class Realtime(Section):
     max_duration: Duration = 3600.0
 
 
+class Timeouts(Section):
+    """SPEC §20: how long a backend may stay silent before its request is given up."""
+
+    upstream_idle: Duration = Field(
+        300.0,
+        gt=0,
+        description="longest silence from a backend, before its headers and between body "
+        "chunks; then 504 upstream_timeout (or an error event when streaming)",
+    )
+
+
 class Ledger(Section):
     gpu_hour_price: float | None = Field(None, ge=0)
 
@@ -280,4 +300,10 @@ class Config(Section):
     scheduler: Scheduler = Field(default_factory=Scheduler)
     realtime: Realtime = Field(default_factory=Realtime)
     ledger: Ledger = Field(default_factory=Ledger)
+    timeouts: Timeouts = Field(default_factory=Timeouts)
     max_body_size: Size = 64 * 10**6
+
+    def upstream_idle(self, backend: Backend) -> float:
+        """Seconds a backend may stay silent mid-request: its own setting, else the top level."""
+        own = backend.timeouts.upstream_idle
+        return self.timeouts.upstream_idle if own is None else own

@@ -14,12 +14,12 @@ from typing import Any
 
 import orjson
 
-from corrallm.fake_backend import responses as r
+import corrallm.fake_backend.responses as r
 from corrallm.fake_backend.exchange import Exchange, Receive, Scope, Send
 from corrallm.fake_backend.options import Options
 from corrallm.fake_backend.realtime import realtime
 
-Handler = Callable[[Exchange], Awaitable[None]]
+Handler = Callable[[Exchange, bool], Awaitable[None]]  # (exchange, inject the faults)
 HEALTH_PATHS = frozenset({"/health", "/healthz", "/v1/health"})
 HEALTH_OK = b'{"status":"ok"}'
 INDEX_HTML = (
@@ -58,7 +58,8 @@ class FakeBackend:
         self.health_checks = 0
         self._ids = itertools.count(1)
         self._id_prefix = secrets.token_hex(4)
-        self._cache: dict[tuple[Any, ...], Any] = {}
+        self._cache: dict[tuple[Any, ...], bytes | tuple[list[bytes], int]] = {}
+        self._faulty_left = opts.faulty_requests  # None: every request
         chat, completions = self._chat, self._completions
         self.routes: dict[str, tuple[str, Handler]] = {
             "/v1/chat/completions": ("POST", chat),
@@ -137,8 +138,13 @@ class FakeBackend:
         if not self.loaded():
             await ex.respond(503, r.LOADING_BODY)
             return
+        faulty = method == "POST" and self._faulty()
+        if faulty and self.opts.hang:
+            self.log(f"srv  hang: not answering {path} (--hang)")
+            await ex.until_gone()
+            return
         try:
-            await handler(ex)
+            await handler(ex, faulty)
         except BadRequest as exc:
             if not ex.status:
                 await ex.respond(400, r.error_body(str(exc), "invalid_request_error", 400))
@@ -147,6 +153,15 @@ class FakeBackend:
                 raise
             print(f"error: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
             await ex.respond(500, r.error_body(f"{type(exc).__name__}: {exc}", "server_error", 500))
+
+    def _faulty(self) -> bool:
+        """Whether this inference request gets the injected faults (--faulty-requests)."""
+        if self._faulty_left is None:
+            return True
+        if self._faulty_left == 0:
+            return False
+        self._faulty_left -= 1
+        return True
 
     def _record(self, ex: Exchange) -> None:
         scope = ex.scope
@@ -205,20 +220,22 @@ class FakeBackend:
 
     # --- generation --------------------------------------------------------------------------
 
-    async def _chat(self, ex: Exchange) -> None:
+    async def _chat(self, ex: Exchange, faulty: bool = False) -> None:
         body = self._body(ex)
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:
             raise BadRequest("'messages' is required and must be a non-empty list")
-        await self._generate(ex, body, chat=True, prompt=r.count_words(messages))
+        await self._generate(ex, body, True, r.count_words(messages), faulty)
 
-    async def _completions(self, ex: Exchange) -> None:
+    async def _completions(self, ex: Exchange, faulty: bool = False) -> None:
         body = self._body(ex)
         if "prompt" not in body:
             raise BadRequest("'prompt' is required")
-        await self._generate(ex, body, chat=False, prompt=r.count_words(body["prompt"]))
+        await self._generate(ex, body, False, r.count_words(body["prompt"]), faulty)
 
-    async def _generate(self, ex: Exchange, body: dict[str, Any], chat: bool, prompt: int) -> None:
+    async def _generate(
+        self, ex: Exchange, body: dict[str, Any], chat: bool, prompt: int, faulty: bool = False
+    ) -> None:
         opts = self.opts
         n, reason = r.plan(body, opts.tokens)
         model = self._model(body)
@@ -230,9 +247,12 @@ class FakeBackend:
         if cached is None:
             rid, created = self._new_id("chatcmpl" if chat else "cmpl")
             if stream:
-                cached = r.stream_events(
+                made, start = r.stream_events(
                     chat, rid, created, model, n, reason, prompt, include_usage
                 )
+                if opts.sse_crlf:  # JSON holds no raw line ends: every LF is framing
+                    made = [e.replace(b"\n", b"\r\n") for e in made]
+                cached = (made, start)
             else:
                 build = r.chat_completion if chat else r.text_completion
                 cached = build(rid, created, model, n, reason, prompt)
@@ -241,17 +261,29 @@ class FakeBackend:
                     self._cache.clear()
                 self._cache[key] = cached
         if not stream:
+            assert isinstance(cached, bytes)
             if await ex.pause(opts.latency + n * opts.token_delay):
                 return
+            if faulty and opts.die_mid_body:
+                await ex.start_body(200, len(cached))
+                await ex.write(cached[: len(cached) // 2])
+                self.log("srv  crash: exiting in the middle of an answer (--die-mid-body)")
+                os._exit(1)
             await ex.respond(200, cached)
             return
+        assert not isinstance(cached, bytes)
         events, first = cached
-        await self._stream(ex, events, range(first, first + n))
+        await self._stream(ex, events, range(first, first + n), faulty)
 
-    async def _stream(self, ex: Exchange, events: list[bytes], token_span: range) -> None:
+    async def _stream(
+        self, ex: Exchange, events: list[bytes], token_span: range, faulty: bool = False
+    ) -> None:
         """Send every event; `token_span` are the token events, spaced by --token-delay."""
         opts = self.opts
         delay, crash = opts.token_delay, opts.crash_after_tokens
+        stall = opts.stall_after_tokens if faulty else None
+        # Go silent after the stall-th token chunk (0: right after the headers).
+        stall_at = token_span.start + stall - 1 if stall is not None else -2
         if not opts.fast or delay or opts.latency:
             ex.watch_disconnect()
         if await ex.pause(opts.latency):
@@ -259,6 +291,9 @@ class FakeBackend:
         await ex.start_stream()
         if crash == 0:
             self._crash(0)
+        if stall_at == token_span.start - 1:
+            await self._stall(ex, 0)
+            return
         # Crash after the crash-th token chunk; a stream shorter than that completes.
         crash_at = token_span.start + crash - 1 if crash and crash <= len(token_span) else -1
         for i, event in enumerate(events):
@@ -267,8 +302,17 @@ class FakeBackend:
             if not await ex.write(event):
                 return
             if i == crash_at:
+                if opts.crash_mid_event and i + 1 < len(events):
+                    await ex.write(events[i + 1][: len(events[i + 1]) // 2])  # a torn event
                 self._crash(crash or 0)
+            if i == stall_at:
+                await self._stall(ex, stall or 0)
+                return
         await ex.end_stream()
+
+    async def _stall(self, ex: Exchange, sent: int) -> None:
+        self.log(f"srv  stall: silent after {sent} token chunks (--stall-after-tokens)")
+        await ex.until_gone()
 
     def _crash(self, sent: int) -> None:
         self.log(f"srv  crash: exiting after {sent} token chunks (--crash-after-tokens)")
@@ -276,7 +320,7 @@ class FakeBackend:
 
     # --- other endpoints ---------------------------------------------------------------------
 
-    async def _embeddings(self, ex: Exchange) -> None:
+    async def _embeddings(self, ex: Exchange, faulty: bool = False) -> None:
         body = self._body(ex)
         if "input" not in body:
             raise BadRequest("'input' is required")
@@ -284,7 +328,7 @@ class FakeBackend:
             return
         await ex.respond(200, r.embeddings(body, self._model(body), self.opts.embedding_dim))
 
-    async def _rerank(self, ex: Exchange) -> None:
+    async def _rerank(self, ex: Exchange, faulty: bool = False) -> None:
         body = self._body(ex)
         docs = body.get("documents")
         if not isinstance(body.get("query"), str) or not isinstance(docs, list):
@@ -293,7 +337,7 @@ class FakeBackend:
             return
         await ex.respond(200, r.rerank(body, self._model(body)))
 
-    async def _transcription(self, ex: Exchange) -> None:
+    async def _transcription(self, ex: Exchange, faulty: bool = False) -> None:
         fields = {k.decode(): v.decode("utf-8", "replace") for k, v in _FORM_FIELD.findall(ex.body)}
         text = f"This is a fake transcript ({len(ex.body)} request bytes)."
         if await ex.pause(self.opts.latency):
@@ -305,7 +349,7 @@ class FakeBackend:
         else:
             await ex.respond(200, orjson.dumps({"text": text}))
 
-    async def _speech(self, ex: Exchange) -> None:
+    async def _speech(self, ex: Exchange, faulty: bool = False) -> None:
         body = self._body(ex)
         if not isinstance(body.get("input"), str):
             raise BadRequest("'input' (a string) is required")
@@ -324,7 +368,7 @@ class FakeBackend:
                 return
         await ex.end_stream()
 
-    async def _models(self, ex: Exchange) -> None:
+    async def _models(self, ex: Exchange, faulty: bool = False) -> None:
         opts = self.opts
         model = {
             "id": opts.model_name,
@@ -335,7 +379,7 @@ class FakeBackend:
         }
         await ex.respond(200, orjson.dumps({"object": "list", "data": [model]}))
 
-    async def _props(self, ex: Exchange) -> None:
+    async def _props(self, ex: Exchange, faulty: bool = False) -> None:
         opts = self.opts
         props = {
             # Like llama-server: n_ctx here is the per-slot context (n_ctx / n_slots).
@@ -346,5 +390,5 @@ class FakeBackend:
         }
         await ex.respond(200, orjson.dumps(props))
 
-    async def _index(self, ex: Exchange) -> None:
+    async def _index(self, ex: Exchange, faulty: bool = False) -> None:
         await ex.respond(200, INDEX_HTML, b"text/html; charset=utf-8")

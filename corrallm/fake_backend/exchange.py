@@ -80,6 +80,12 @@ class Exchange:
             await asyncio.wait((self.watch,), timeout=seconds)
         return self.gone()
 
+    async def until_gone(self) -> None:
+        """Wait, answering nothing, until the client leaves."""
+        self.watch_disconnect()
+        assert self.watch is not None
+        await asyncio.wait((self.watch,))
+
     def close(self) -> None:
         if self.watch is not None and not self.watch.done():
             self.watch.cancel()
@@ -100,6 +106,12 @@ class Exchange:
         )
         await self.send({"type": "http.response.body", "body": body})
         self.finished = True
+
+    async def start_body(self, status: int, length: int, content_type: bytes = JSON) -> None:
+        """Headers for a body of `length` bytes, to be sent with `write` (faults use it)."""
+        self.status = status
+        headers = [(b"content-type", content_type), (b"content-length", b"%d" % length)]
+        await self.send({"type": "http.response.start", "status": status, "headers": headers})
 
     async def start_stream(self, headers: list[tuple[bytes, bytes]] = SSE_HEADERS) -> None:
         self.status = 200

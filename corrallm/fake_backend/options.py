@@ -22,7 +22,13 @@ class Options:
     exit_after_seconds: float | None = None
     exit_code: int | None = None
     crash_after_tokens: int | None = None
+    crash_mid_event: bool = False
     ignore_sigterm: bool = False
+    sse_crlf: bool = False
+    hang: bool = False
+    stall_after_tokens: int | None = None
+    die_mid_body: bool = False
+    faulty_requests: int | None = None
 
     @property
     def n_ctx_slot(self) -> int:
@@ -90,7 +96,40 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="in a stream, kill the process (exit 1) after sending this many token chunks",
     )
+    p.add_argument(
+        "--crash-mid-event",
+        action="store_true",
+        help="with --crash-after-tokens, send the first half of the next event before exiting",
+    )
     p.add_argument("--ignore-sigterm", action="store_true", help="ignore SIGTERM (needs SIGKILL)")
+    p.add_argument(
+        "--sse-crlf",
+        action="store_true",
+        help="frame stream events with CRLF line ends (sse-starlette's default), not LF",
+    )
+    p.add_argument(
+        "--hang",
+        action="store_true",
+        help="accept inference requests and never answer them (until the client leaves)",
+    )
+    p.add_argument(
+        "--stall-after-tokens",
+        type=count,
+        default=None,
+        help="in a stream, go silent after this many token chunks, the connection left open",
+    )
+    p.add_argument(
+        "--die-mid-body",
+        action="store_true",
+        help="for a non-streamed completion, send the headers and half the body, then exit 1",
+    )
+    p.add_argument(
+        "--faulty-requests",
+        type=count,
+        default=None,
+        help="apply --hang / --stall-after-tokens / --die-mid-body to only the first N "
+        "inference requests (default: all)",
+    )
     return p
 
 

@@ -5,6 +5,11 @@ A paused model's own processes are drained, stopped and held PAUSED: no request,
 through, explicit load or boot preload starts them. Pausing an extension pauses its one
 process and so every model it hosts. Unpausing a pinned model loads it again, waiting out
 the teardown of the process the pause stopped.
+
+Durable first: a pause or an unpause is written to the store before anything changes in
+memory or any process is touched, so a write the store refuses (a full disk) raises
+`StoreUnavailable` and changes nothing. An expired pause is lifted even when the store
+cannot forget it: the stored row's `until` has passed, so a restart ignores it too.
 """
 
 from __future__ import annotations
@@ -18,7 +23,8 @@ from typing import Literal
 
 from corrallm.lifecycle.errors import LifecycleError
 from corrallm.lifecycle.supervisor import Supervisor
-from corrallm.store.db import Store
+from corrallm.store import pauses as table
+from corrallm.store.db import Store, StoreUnavailable
 
 log = logging.getLogger("corrallm.lifecycle")
 
@@ -51,46 +57,55 @@ class Pauses:
 
     async def restore(self) -> None:
         """At boot: apply the pauses kept in the store; forget the ones that have expired."""
-        rows = await self.store.query("SELECT kind, name, until FROM pauses")
         now = self.wall_clock()
-        for row in rows:
-            key = (row["kind"], row["name"])
-            if key not in self.targets or (row["until"] is not None and row["until"] <= now):
-                await self._forget(key)
+        for kind, name, until in await table.read(self.store):
+            key: tuple[Kind, str] = (_kind(kind), name)
+            if key not in self.targets or (until is not None and until <= now):
+                await self._forget(key, lenient=True)
                 continue
-            self.until[key] = row["until"]
+            self.until[key] = until
             await asyncio.gather(*(sup.pause() for sup in self.targets[key].supervisors))
 
     async def pause(self, kind: Kind, name: str, until: float | None) -> None:
+        """Raises `StoreUnavailable` (and changes nothing) if the store cannot keep it."""
         key = (kind, name)
+        await table.save(self.store, kind, name, until, self.wall_clock())
         self.until[key] = until
-        await self.store.execute(
-            "INSERT OR REPLACE INTO pauses (kind, name, until, paused_at) VALUES (?, ?, ?, ?)",
-            (kind, name, until, self.wall_clock()),
-        )
         log.info("pause %s=%s until=%s", kind, name, until or "unpaused")
         await asyncio.gather(*(sup.pause() for sup in self.targets[key].supervisors))
 
     async def unpause(self, kind: Kind, name: str) -> None:
-        key = (kind, name)
-        await self._forget(key)
-        target = self.targets[key]
-        for sup in target.supervisors:
-            sup.unpause()
-        log.info("unpause %s=%s", kind, name)
-        if target.pinned:
-            await asyncio.gather(*(self._reload(sup) for sup in target.supervisors))
+        """Raises `StoreUnavailable` (and changes nothing) if the store cannot forget it."""
+        await self._unpause((kind, name), lenient=False)
 
     async def expire(self) -> None:
         """Unpause every pause whose `until` has passed (called by the gateway's reaper)."""
         now = self.wall_clock()
-        for (kind, name), until in list(self.until.items()):
+        for key, until in list(self.until.items()):
             if until is not None and until <= now:
-                await self.unpause(kind, name)
+                await self._unpause(key, lenient=True)
 
-    async def _forget(self, key: tuple[Kind, str]) -> None:
+    async def _unpause(self, key: tuple[Kind, str], lenient: bool) -> None:
+        await self._forget(key, lenient)
+        target = self.targets.get(key)
+        if target is None:  # a reload took the model or extension away
+            return
+        for sup in target.supervisors:
+            sup.unpause()
+        log.info("unpause %s=%s", *key)
+        if target.pinned:
+            await asyncio.gather(*(self._reload(sup) for sup in target.supervisors))
+
+    async def _forget(self, key: tuple[Kind, str], lenient: bool) -> None:
+        """Delete the stored pause, then the one in memory. `lenient`: for a pause that has
+        expired, whose stored row no restart would apply; a failed delete is only logged."""
+        try:
+            await table.delete(self.store, *key)
+        except StoreUnavailable as exc:
+            if not lenient:
+                raise
+            log.warning("expired pause %s=%s stays in the store for now: %s", *key, exc)
         self.until.pop(key, None)
-        await self.store.execute("DELETE FROM pauses WHERE kind = ? AND name = ?", key)
 
     async def _reload(self, sup: Supervisor) -> None:
         # ensure_ready waits out a teardown still under way (draining or stopping).
@@ -98,3 +113,7 @@ class Pauses:
             await sup.ensure_ready()
         except LifecycleError as exc:
             log.warning("reload of pinned backend %s after unpause failed: %s", sup.id, exc)
+
+
+def _kind(value: str) -> Kind:
+    return "extension" if value == "extension" else "model"

@@ -1,9 +1,17 @@
-"""Process groups: spawn with captured output, signal the whole group, wait for it to be gone.
+"""Process groups: spawn with output to a file, signal the whole group, wait for it to be gone.
 
 Every backend runs in its own session (`start_new_session`), so its process group id is
 its pid and SIGTERM/SIGKILL reach the children it forks too (llama-server workers,
 shell wrappers). Only groups we spawned, or adopted after verifying their identity, are
 ever signalled.
+
+A backend's stdout and stderr go to its log file (opened for append), never to a pipe: a
+pipe's reader is this corrallm process, and after a crash of corrallm a backend that is
+later re-adopted would die of SIGPIPE on its next line of output. The supervisor follows
+the file instead (`LogBuffer.follow`).
+
+`Processes` is the seam the supervisor drives (as honcho's Manager drives its process
+class): `ProcessGroups` is the real one, tests script fakes of it.
 """
 
 from __future__ import annotations
@@ -17,6 +25,8 @@ import sys
 import tempfile
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
 
 import psutil
 
@@ -63,39 +73,95 @@ class Spawned:
     pid: int
     pgid: int
     started: float  # psutil create_time, the identity check against PID reuse
-    exited: asyncio.Task[int]  # finishes with the exit code once the process is gone
+    exited: asyncio.Future[int]  # finishes with the exit code once the process is gone
 
 
-async def spawn(
-    argv: list[str],
-    env: Mapping[str, str],
-    cwd: str | None,
-    on_line: Callable[[str], None],
-) -> Spawned:
-    """Start `argv` in a new session; `on_line` receives each line of stdout+stderr."""
-    proc = await asyncio.create_subprocess_exec(
-        *argv,
-        stdin=asyncio.subprocess.DEVNULL,
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.STDOUT,
-        env={**os.environ, **env},
-        cwd=cwd,
-        start_new_session=True,
-    )
+class Processes(Protocol):
+    """What the supervisor asks of the operating system; every call about processes goes
+    through here, so a supervisor can be driven by a scripted fake."""
 
-    async def pump() -> int:
-        assert proc.stdout is not None
-        while True:
-            try:
-                raw = await proc.stdout.readline()
-            except ValueError:  # a line longer than the stream limit: take it in pieces
-                raw = await proc.stdout.read(65536)
-            if not raw:
-                break
-            on_line(raw.decode("utf-8", "replace"))
-        return await proc.wait()
+    async def spawn(
+        self, argv: list[str], env: Mapping[str, str], cwd: str | None, output: Path
+    ) -> Spawned:
+        """Start a long-running process in a new session, its output appended to `output`."""
+        ...
 
-    exited = asyncio.create_task(pump(), name=f"pump-{proc.pid}")
+    async def run(
+        self,
+        argv: list[str],
+        env: Mapping[str, str],
+        cwd: str | None,
+        on_line: Callable[[str], None],
+        within: float,
+    ) -> int | None:
+        """Run a starter or stopper to completion: its exit code, None if it overran."""
+        ...
+
+    def adopt(self, pid: int, started: float) -> Spawned:
+        """Watch a process an earlier run of corrallm spawned (exit code unknown: -1)."""
+        ...
+
+    def alive(self, pid: int, started: float) -> bool:
+        """The process `pid` runs and is the very one created at `started` (no reused pid)."""
+        ...
+
+    def group_alive(self, pgid: int) -> bool:
+        """Some process of the group is left (zombies aside)."""
+        ...
+
+    async def stop_group(self, pgid: int, exited: asyncio.Future[int], grace: float) -> str:
+        """SIGTERM, `grace`, SIGKILL; returns "terminated" or "killed" once it is gone."""
+        ...
+
+
+class ProcessGroups:
+    """The real `Processes`: process groups of this machine."""
+
+    async def spawn(
+        self, argv: list[str], env: Mapping[str, str], cwd: str | None, output: Path
+    ) -> Spawned:
+        return await spawn(argv, env, cwd, output)
+
+    async def run(
+        self,
+        argv: list[str],
+        env: Mapping[str, str],
+        cwd: str | None,
+        on_line: Callable[[str], None],
+        within: float,
+    ) -> int | None:
+        return await run(argv, env, cwd, on_line, within)
+
+    def adopt(self, pid: int, started: float) -> Spawned:
+        return adopt(pid, started)
+
+    def alive(self, pid: int, started: float) -> bool:
+        return create_time(pid) == started
+
+    def group_alive(self, pgid: int) -> bool:
+        return group_alive(pgid)
+
+    async def stop_group(self, pgid: int, exited: asyncio.Future[int], grace: float) -> str:
+        return await stop_group(pgid, exited, grace)
+
+
+async def spawn(argv: list[str], env: Mapping[str, str], cwd: str | None, output: Path) -> Spawned:
+    """Start `argv` in a new session, its stdout and stderr appended to the file `output`."""
+    output.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(output, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    try:
+        proc = await asyncio.create_subprocess_exec(
+            *argv,
+            stdin=asyncio.subprocess.DEVNULL,
+            stdout=fd,
+            stderr=fd,
+            env={**os.environ, **env},
+            cwd=cwd,
+            start_new_session=True,
+        )
+    finally:
+        os.close(fd)  # the child has its own copies
+    exited = asyncio.create_task(proc.wait(), name=f"wait-{proc.pid}")
     started = create_time(proc.pid) or 0.0
     return Spawned(proc.pid, proc.pid, started, exited)
 

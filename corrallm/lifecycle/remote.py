@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from corrallm.lifecycle.state import State
@@ -16,6 +17,7 @@ class RemoteEndpoint:
     in_flight: int = 0
     last_used: float = 0.0
     pid: None = None
+    clock: Callable[[], float] = time.monotonic
 
     async def ensure_ready(self, cause: object = None) -> None:
         return None
@@ -29,4 +31,4 @@ class RemoteEndpoint:
 
     def leave(self) -> None:
         self.in_flight -= 1
-        self.last_used = time.monotonic()
+        self.last_used = self.clock()

@@ -2,8 +2,11 @@
 
 Callers never read the state and act on it; they ask: `ensure_ready()` (spawn if needed,
 coalescing concurrent cold requests into one start), `enter()`/`leave()` around each
-forwarded request, `load()`, `unload()`, `stop()`. Spawning, probing and the clock are
-injected seams, as in honcho's Manager.
+forwarded request, `load()`, `unload()`, `stop()`, `pause()`, `retire()`. Everything it
+asks of the world goes through seams injected at construction, as in honcho's Manager:
+the process manager (`processes`: spawn, run a start/stop command, adopt, liveness, stop
+a group), the health `probe`, the `clock` and `sleep`, the memory pools (`room`) and the
+transition `bus`. tests/unit/test_supervisor.py drives it with scripted fakes of them all.
 """
 
 from __future__ import annotations
@@ -11,12 +14,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from corrallm.config.schema import PORT_PLACEHOLDER, ProcessSpec
-from corrallm.lifecycle import process, supervision
+from corrallm.lifecycle import supervision
 from corrallm.lifecycle.addresses import free_port, origin, port_of, resolve_url
 from corrallm.lifecycle.errors import (
     BackendFailed,
@@ -27,11 +31,13 @@ from corrallm.lifecycle.errors import (
 )
 from corrallm.lifecycle.logs import LogBuffer
 from corrallm.lifecycle.pidrecords import PidRecord, PidRecords, file_name
+from corrallm.lifecycle.process import Processes, ProcessGroups, Spawned
 from corrallm.lifecycle.state import BUSY, State, check_transition
 from corrallm.lifecycle.transitions import Transitions
 
 Probe = Callable[[str], Awaitable[int | None]]
 Room = Callable[["Supervisor"], Awaitable[None]]
+Sleep = Callable[[float], Coroutine[Any, Any, None]]
 # Who asked for a start, charged for its load energy: (key name, group, model).
 Cause = tuple[str | None, str, str]
 
@@ -47,7 +53,7 @@ class Backoff:
     cap: float = 30.0
 
     def delay(self, failures: int) -> float:
-        return min(self.cap, self.base * 2 ** max(0, failures - 1))
+        return min(self.cap, self.base * 2.0 ** max(0, failures - 1))
 
 
 @dataclass
@@ -60,10 +66,14 @@ class Supervisor:
     backoff: Backoff = field(default_factory=Backoff)
     clock: Callable[[], float] = time.monotonic
     # Where every transition, idle moment and log line is published; the gateway's one bus.
-    bus: Transitions = field(default_factory=Transitions)
+    bus: Transitions[Supervisor] = field(default_factory=Transitions)
     # Called before each spawn to make room in the memory pools; raises a LifecycleError
     # (NoRoom) when it cannot, which every caller waiting on that start receives.
     room: Room | None = None
+    # The process manager: every spawn, start/stop command, adoption and group signal.
+    processes: Processes = field(default_factory=ProcessGroups)
+    # Every wait on time (the health polls); `clock` is every read of it.
+    sleep: Sleep = asyncio.sleep
 
     state: State = State.STOPPED
     in_flight: int = 0
@@ -76,7 +86,7 @@ class Supervisor:
     retry_at: float = 0.0
     port: int | None = None
     base_url: str = ""
-    proc: process.Spawned | None = None
+    proc: Spawned | None = None
 
     def __post_init__(self) -> None:
         assert self.spec.proxy is not None, "validated config"
@@ -86,7 +96,9 @@ class Supervisor:
         self._changed = asyncio.Event()
         self._start_task: asyncio.Task[None] | None = None
         self._watcher: asyncio.Task[None] | None = None
+        self._follower: asyncio.Task[None] | None = None
         self._pause_wanted = False
+        self._keep_record = False
         self._strategy: supervision.Strategy | None = None
         # A config reload's replacement never starts before its predecessor is gone (L4).
         self._predecessor: asyncio.Future[None] | None = None
@@ -102,7 +114,7 @@ class Supervisor:
         while self.state is not State.READY:
             if self.retired:
                 raise BackendRetired(f"backend '{self.id}' was removed or replaced by a reload")
-            if self.state is State.PAUSED:
+            if self.state is State.PAUSED or self._pause_wanted:
                 raise BackendPaused(f"backend '{self.id}' is paused")
             if self.state is State.FAILED and self.clock() < self.retry_at:
                 raise BackendFailed(self._failure_message())
@@ -174,6 +186,7 @@ class Supervisor:
             await self._stop_process()
         while self.state is State.STOPPING:
             await self._next_change()
+        self._stop_following()
         self.logs.close()
 
     async def pause(self) -> None:
@@ -201,6 +214,7 @@ class Supervisor:
             await self.unload(force=self.state is State.STARTING)
         except LifecycleError as exc:
             self.logs.note(f"retiring: {exc}")
+        self._stop_following()
         self.logs.close()
 
     def follows(self, predecessor: asyncio.Future[None]) -> None:
@@ -209,23 +223,26 @@ class Supervisor:
         self._predecessor = predecessor
 
     async def adopt(self, record: PidRecord) -> bool:
-        """After a crash of corrallm: take over a recorded process only if it is healthy (L5)."""
-        if not record.is_alive():
+        """After a crash of corrallm: take over a recorded process only if it is healthy (L5).
+
+        Its output still goes to its log file, which is followed again from the file's end."""
+        if not self.processes.alive(record.pid, record.started):
             self.records.remove(self.id)
             return False
-        proc = process.adopt(record.pid, record.started)
+        proc = self.processes.adopt(record.pid, record.started)
         healthy = record.cmd == self.spec.cmd and await self._healthy(record.health_url)
         if not healthy:
-            await process.stop_group(record.pgid, proc.exited, self.spec.stop_grace)
+            await self.processes.stop_group(record.pgid, proc.exited, self.spec.stop_grace)
             self.records.remove(self.id)
             return False
-        self.proc, self.port, self.base_url = proc, record.port, record.base_url
+        self.port, self.base_url = record.port, record.base_url
         self.logs.open()
         self.logs.note(f"re-adopted pid {record.pid} after a restart of corrallm")
+        self._own(proc)
         self._move(State.STARTING)
         self._move(State.READY)
         self.last_used = self.clock()
-        self._watcher = asyncio.create_task(self._watch(proc))
+        self._watcher = asyncio.create_task(self._watch(proc), name=f"watch-{self.id}")
         return True
 
     # -- the machinery ---------------------------------------------------------------
@@ -242,11 +259,11 @@ class Supervisor:
                     raise
             await self._spawn_and_wait()
         except asyncio.CancelledError:
+            self._move(State.STOPPING)
             if self.proc is not None:
                 await self._reap(self.proc, "start cancelled")
             else:
                 await self._run_stop("start cancelled")
-            self._move(State.STOPPING)
             self._move(State.STOPPED)
             raise
 
@@ -261,32 +278,33 @@ class Supervisor:
         self.logs.open()
         self.logs.note(f"starting: {plan.describe()} (supervision: {self.spec.supervision})")
         began = self.clock()
-        proc: process.Spawned | None = None
+        proc: Spawned | None = None
         try:
             if plan.start is not None:
-                code = await process.run(
+                code = await self.processes.run(
                     plan.start, env, self.spec.cwd, self.logs.append, self.health_timeout
                 )
                 if code != 0:
                     what = "did not finish" if code is None else f"exited with code {code}"
                     return self._fail(f"its start command `{plan.describe()}` {what}")
             if plan.serve is not None:
-                proc = await process.spawn(plan.serve, env, self.spec.cwd, self.logs.append)
+                proc = await self.processes.spawn(plan.serve, env, self.spec.cwd, self._output)
         except OSError as exc:
             return self._fail(f"could not run its command: {exc}")
         if proc is not None:
-            self.proc = proc
+            self._own(proc)
             self.logs.note(f"spawned pid {proc.pid}")
             self.records.write(self._record())
         outcome = await self._await_health(proc)
         if outcome == "healthy":
+            self.logs.catch_up()  # what it printed while loading (n_ctx, n_slots) is parsed now
             self.last_load_seconds = self.clock() - began
             self.failures, self.last_error = 0, None
             self.last_used = self.clock()
             self.logs.note(f"ready in {self.last_load_seconds:.2f}s at {self.base_url}")
             self._move(State.READY)
             if proc is not None:
-                self._watcher = asyncio.create_task(self._watch(proc))
+                self._watcher = asyncio.create_task(self._watch(proc), name=f"watch-{self.id}")
             return None
         if outcome == "exited" and proc is not None:
             reason = f"exited with code {proc.exited.result()} while starting"
@@ -298,7 +316,7 @@ class Supervisor:
             await self._run_stop(reason)
         return self._fail(reason)
 
-    async def _await_health(self, proc: process.Spawned | None) -> str:
+    async def _await_health(self, proc: Spawned | None) -> str:
         """Poll health until it answers; an owned process exiting first is a failure."""
         url = origin(self.base_url) + self.spec.health.path
         deadline = self.clock() + self.health_timeout
@@ -312,14 +330,14 @@ class Supervisor:
                 return "timeout"
             wait = min(HEALTH_POLL_SECONDS, remaining)
             if proc is not None:
-                await asyncio.wait({proc.exited}, timeout=wait)
+                await _first(proc.exited, self.sleep(wait))
             else:
-                await asyncio.sleep(wait)
+                await self.sleep(wait)
 
     async def _healthy(self, url: str) -> bool:
         return await self.probe(url) in self.spec.health.expect_status
 
-    async def _watch(self, proc: process.Spawned) -> None:
+    async def _watch(self, proc: Spawned) -> None:
         """Notice a ready process that exits on its own (a crash): the next request restarts it."""
         code = await proc.exited
         if self.proc is proc and self.state in (State.READY, State.DRAINING):
@@ -332,7 +350,7 @@ class Supervisor:
         self._move(State.STOPPING)
         await self._run_stop(None)
         if self.proc is not None:  # what a stop command left of our own group goes too
-            how = await process.stop_group(self.proc.pgid, self.proc.exited, self.spec.stop_grace)
+            how = await self._end_group(self.proc)
             self.logs.note(f"stopped ({how})")
             self._forget_process()
         self._move(State.STOPPED)
@@ -346,7 +364,7 @@ class Supervisor:
             self.logs.note(why)
         self.logs.note(f"stopping: {' '.join(plan.stop)}")
         try:
-            code = await process.run(
+            code = await self.processes.run(
                 plan.stop, {}, self.spec.cwd, self.logs.append, self.spec.stop_grace + 15
             )
         except OSError as exc:
@@ -355,12 +373,21 @@ class Supervisor:
         if code != 0:
             self.logs.note(f"stop command ended with {code}")
 
-    async def _reap(self, proc: process.Spawned, note: str | None) -> None:
+    async def _reap(self, proc: Spawned, note: str | None) -> None:
         """Make sure nothing of the group is left before the state moves on (L4)."""
         if note:
             self.logs.note(note)
-        await process.stop_group(proc.pgid, proc.exited, self.spec.stop_grace)
+        await self._end_group(proc)
         self._forget_process()
+
+    async def _end_group(self, proc: Spawned) -> str:
+        """SIGTERM, stopGrace, SIGKILL. A group that outlives SIGKILL keeps its PID record,
+        so that a later run of corrallm still knows it is ours."""
+        how = await self.processes.stop_group(proc.pgid, proc.exited, self.spec.stop_grace)
+        if how == "killed" and self.processes.group_alive(proc.pgid):
+            self._keep_record = True
+            self.logs.note(f"process group {proc.pgid} outlived SIGKILL")
+        return how
 
     async def _cancel_start(self) -> None:
         task = self._start_task
@@ -369,9 +396,30 @@ class Supervisor:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
 
+    @property
+    def _output(self) -> Path:
+        """Where an owned process writes its stdout and stderr: its log file, which outlives
+        corrallm (a pipe would break when corrallm dies, and SIGPIPE the backend)."""
+        assert self.logs.path is not None
+        return self.logs.path
+
+    def _own(self, proc: Spawned) -> None:
+        """`proc` is ours from now on: follow what it writes to its log until it is gone."""
+        self.proc, self._keep_record = proc, False
+        if self._follower is None:
+            self._follower = asyncio.create_task(self.logs.follow(), name=f"follow-{self.id}")
+
     def _forget_process(self) -> None:
         self.proc = None
-        self.records.remove(self.id)
+        if not self._keep_record:
+            self.records.remove(self.id)
+        self._stop_following()
+
+    def _stop_following(self) -> None:
+        if self._follower is not None:
+            self._follower.cancel()
+            self._follower = None
+        self.logs.catch_up()  # its last words, before a failure quotes them
 
     def _fail(self, reason: str) -> None:
         self.failures += 1
@@ -415,6 +463,16 @@ class Supervisor:
 
     async def _next_change(self) -> None:
         await self._changed.wait()
+
+
+async def _first(exited: asyncio.Future[int], pause: Coroutine[Any, Any, None]) -> None:
+    """Wait out `pause`, or less if the process exits meanwhile."""
+    sleeper = asyncio.ensure_future(pause)
+    either: set[asyncio.Future[Any]] = {exited, sleeper}
+    try:
+        await asyncio.wait(either, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        sleeper.cancel()
 
 
 def _retrieve(task: asyncio.Task[None]) -> None:

@@ -10,25 +10,27 @@ Listeners are synchronous and must not block: they update memory or schedule a t
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import Generic, TypeVar
 
-if TYPE_CHECKING:
-    from corrallm.lifecycle.state import State
-    from corrallm.lifecycle.supervisor import Supervisor
+from corrallm.lifecycle.state import State
 
-Moved = Callable[["Supervisor", "State", "State"], None]
-Idle = Callable[["Supervisor"], None]
+# The process that moved: a Supervisor (generic so this module needs none of it).
+P = TypeVar("P")
 Line = Callable[[str, str], None]  # (backend id, log line)
 
 
-class Transitions:
+class Transitions(Generic[P]):
     def __init__(self) -> None:
-        self._moved: list[Moved] = []
-        self._idle: list[Idle] = []
+        self._moved: list[Callable[[P, State, State], None]] = []
+        self._idle: list[Callable[[P], None]] = []
         self._lines: list[Line] = []
 
     def subscribe(
-        self, *, moved: Moved | None = None, idle: Idle | None = None, line: Line | None = None
+        self,
+        *,
+        moved: Callable[[P, State, State], None] | None = None,
+        idle: Callable[[P], None] | None = None,
+        line: Line | None = None,
     ) -> None:
         if moved is not None:
             self._moved.append(moved)
@@ -37,13 +39,13 @@ class Transitions:
         if line is not None:
             self._lines.append(line)
 
-    def moved(self, sup: Supervisor, old: State, new: State) -> None:
+    def moved(self, process: P, old: State, new: State) -> None:
         for listener in self._moved:
-            listener(sup, old, new)
+            listener(process, old, new)
 
-    def idle(self, sup: Supervisor) -> None:
+    def idle(self, process: P) -> None:
         for listener in self._idle:
-            listener(sup)
+            listener(process)
 
     def line(self, backend: str, text: str) -> None:
         for listener in self._lines:

@@ -7,6 +7,12 @@ event loop's time under load, by py-spy); this one does only what forwarding nee
 request with a known body, a streamed answer, a connection reused when the answer was
 read whole and the server keeps it alive. aiohttp still serves the health probes and the
 realtime WebSocket relay, where cost per request does not matter.
+
+An idle timeout (`request(..., idle_timeout=)`) bounds the backend's silence while the
+answer is awaited and between body chunks: one timer per exchange, pushed back by the
+bytes that arrive, that fails the answer with `UpstreamTimeout` and closes the
+connection (so the backend sees the cancel). Time the client spends not reading (paused
+by backpressure) is not the backend's silence.
 """
 
 from __future__ import annotations
@@ -33,6 +39,16 @@ class UpstreamError(ConnectionError):
 
 class ServerDisconnected(UpstreamError):
     """The connection closed before any answer: safe to send again on a fresh one."""
+
+
+class UpstreamTimeout(UpstreamError):
+    """The backend sent nothing for `idle` seconds (before its headers or mid-body)."""
+
+    def __init__(self, idle: float, headers_seen: bool) -> None:
+        where = "mid-answer" if headers_seen else "before answering"
+        super().__init__(f"no bytes from the backend for {idle:g}s {where}")
+        self.idle = idle
+        self.headers_seen = headers_seen
 
 
 class Response:
@@ -88,6 +104,8 @@ class Response:
             waiter.set_result(None)
 
     def fail(self, error: BaseException) -> None:
+        if self.error is not None:
+            return  # the first failure is the cause (a timeout, then the close it made)
         self.error = error
         if not self.headers_done.done():
             self.headers_done.set_exception(error)
@@ -107,6 +125,9 @@ class _Connection(asyncio.Protocol):
         self.idle_since = 0.0
         self.has_length = self.chunked = False  # how the answer's body is delimited
         self.keep_alive = False
+        self.idle_timeout: float | None = None
+        self.idle_timer: asyncio.TimerHandle | None = None
+        self.last_read = 0.0
 
     # -- asyncio.Protocol ----------------------------------------------------------
 
@@ -114,6 +135,8 @@ class _Connection(asyncio.Protocol):
         self.transport = transport  # type: ignore[assignment]  # uvloop's is not a subclass
 
     def data_received(self, data: bytes) -> None:
+        if self.idle_timer is not None:
+            self.last_read = self.loop.time()
         if self.response is None:
             self.close()  # bytes nobody asked for: the connection is not safe to reuse
             return
@@ -125,8 +148,9 @@ class _Connection(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.lost = True
+        self._disarm()
         response = self.response
-        if response is None or response.complete:
+        if response is None or response.complete or response.error is not None:
             return
         if not response.headers_done.done():
             response.fail(ServerDisconnected("the backend closed the connection before answering"))
@@ -180,15 +204,40 @@ class _Connection(asyncio.Protocol):
         assert response is not None
         if response.status == 0:
             return  # the end of an interim answer
+        self._disarm()
         response.complete = True
         response.wake()
 
     # -- the pool's side -----------------------------------------------------------
 
-    def send(self, response: Response, data: bytes) -> None:
+    def send(self, response: Response, data: bytes, idle_timeout: float | None = None) -> None:
         assert self.transport is not None
         self.response = response
+        self.idle_timeout = idle_timeout
+        if idle_timeout is not None:
+            self.last_read = self.loop.time()
+            self.idle_timer = self.loop.call_at(self.last_read + idle_timeout, self._idle_check)
         self.transport.write(data)
+
+    def _idle_check(self) -> None:
+        """The idle timer fired: fail the answer if the backend really was silent that long."""
+        self.idle_timer = None
+        response, idle = self.response, self.idle_timeout
+        if response is None or idle is None or response.complete or response.error is not None:
+            return
+        now = self.loop.time()
+        if self.paused or response.chunks:
+            self.last_read = now  # the client is behind, not the backend
+        if now - self.last_read < idle:
+            self.idle_timer = self.loop.call_at(self.last_read + idle, self._idle_check)
+            return
+        response.fail(UpstreamTimeout(idle, response.headers_done.done()))
+        self.close()
+
+    def _disarm(self) -> None:
+        if self.idle_timer is not None:
+            self.idle_timer.cancel()
+            self.idle_timer = None
 
     def resume(self) -> None:
         self.paused = False
@@ -197,6 +246,7 @@ class _Connection(asyncio.Protocol):
 
     def finished(self, response: Response) -> None:
         """The caller is done with the answer: pool the connection if it can take more."""
+        self._disarm()
         reusable = (
             response.complete and not response.head_only and not self.lost and self.keep_alive
         )
@@ -219,12 +269,18 @@ class Client:
         self._targets: dict[str, tuple[tuple[str, str, int], bytes, bytes]] = {}
 
     async def request(
-        self, method: str, url: str, body: bytes, headers: list[tuple[str, str]]
+        self,
+        method: str,
+        url: str,
+        body: bytes,
+        headers: list[tuple[str, str]],
+        idle_timeout: float | None = None,
     ) -> Response:
         """Send once, and once more on a fresh connection if a pooled one turned out to be
         closed (servers such as llama-server close keep-alive connections after a few
         requests; the pool learns it only when the next request fails before any answer,
-        which is safe to resend)."""
+        which is safe to resend). `idle_timeout`: the longest silence allowed from the
+        backend, before its headers and between body chunks (`UpstreamTimeout`)."""
         key, host, path = self._target(url)
         head = b"".join(
             [
@@ -245,14 +301,16 @@ class Client:
         conn = self._pooled(key)
         if conn is not None:
             try:
-                return await self._exchange(conn, data, head_only)
+                return await self._exchange(conn, data, head_only, idle_timeout)
             except ServerDisconnected:
                 pass  # nothing came back: resend, once, on a fresh connection
-        return await self._exchange(await self._connect(key), data, head_only)
+        return await self._exchange(await self._connect(key), data, head_only, idle_timeout)
 
-    async def _exchange(self, conn: _Connection, data: bytes, head_only: bool) -> Response:
+    async def _exchange(
+        self, conn: _Connection, data: bytes, head_only: bool, idle_timeout: float | None
+    ) -> Response:
         response = Response(conn, head_only)
-        conn.send(response, data)
+        conn.send(response, data, idle_timeout)
         try:
             await response.headers_done
         except BaseException:

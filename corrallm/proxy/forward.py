@@ -7,16 +7,19 @@ caller's identity headers are corrallm's business only and never leave it (SPEC 
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Iterable
 from typing import Protocol
 
 import aiohttp
 import orjson
 
-from corrallm.proxy.asgi import Receive, Scope, Send
-from corrallm.proxy.client import Client
-from corrallm.proxy.errors import bad_gateway
-from corrallm.proxy.metering import Meter
+from corrallm.proxy.asgi import Message, Receive, Scope, Send
+from corrallm.proxy.client import Client, Response, UpstreamTimeout
+from corrallm.proxy.errors import ApiError, bad_gateway
+from corrallm.proxy.metering import Meter, split_events
+
+log = logging.getLogger("corrallm.proxy")
 
 # Hop-by-hop headers (RFC 9110 §7.6.1) and those the client sets itself.
 _HOP_BY_HOP = frozenset(
@@ -134,10 +137,20 @@ async def forward(
     backend_id: str,
     stream: Relay | None = None,
     meter: Meter | None = None,
+    *,
+    idle_timeout: float | None = None,
 ) -> int:
-    """Send the request upstream and relay the response; returns the upstream status."""
+    """Send the request upstream and relay the response; returns the status to record.
+
+    That is the upstream's status, unless the answer broke off after it began: then 502
+    (the backend closed or crashed) or 504 (silent for `idle_timeout` seconds), with
+    `meter.error` saying why. A failure before anything reached the client raises an
+    `ApiError` (502 `backend_error` / 504 `upstream_timeout`) instead.
+    """
     try:
-        response = await client.request(scope["method"], url, body, headers)
+        response = await client.request(scope["method"], url, body, headers, idle_timeout)
+    except UpstreamTimeout as exc:
+        raise _failed(meter, backend_id, exc) from None
     except OSError as exc:
         raise bad_gateway(
             f"backend '{backend_id}' did not answer at {url}: {exc or type(exc).__name__}. "
@@ -146,60 +159,148 @@ async def forward(
     async with response:
         raw = [(k.lower(), v) for k, v in response.raw_headers if k.lower() not in _DROP_RESPONSE]
         raw.extend(extra_response_headers)
-        sse = response.content_type == "text/event-stream"
-        # Whole events: so that a preemption cuts at a boundary, and metering sees each one.
-        whole_events = sse and (meter is not None or (stream is not None and stream.preemptible))
+        content_type = response.content_type
+        sse = content_type == "text/event-stream"
         if meter is not None:
-            meter.start(response.status, sse, response.content_type == "application/json")
+            meter.start(response.status, sse, content_type == "application/json")
         if stream is not None:
             stream.started = True
             stream.shielded = not sse
-        await send({"type": "http.response.start", "status": response.status, "headers": raw})
-        last = b"\n\n"
-        pending = b""
-        try:
-            async for chunk in response.iter_any():
-                if whole_events:
-                    chunk, pending = _split_events(pending + chunk)
-                if meter is not None and chunk:
-                    chunk = meter.chunk(chunk)
-                if not chunk:
+        start = {"type": "http.response.start", "status": response.status, "headers": raw}
+        if sse:
+            return await _relay_events(response, send, start, watch, backend_id, meter)
+        hold = HOLD_LIMIT if content_type == "application/json" else 0
+        return await _relay_body(response, send, start, watch, backend_id, meter, hold)
+
+
+# A JSON answer up to this size is held until it is whole, so that a backend dying or
+# hanging partway through it becomes a clean 502/504 instead of a cut body. Such answers
+# are written in one go after generation: holding them delays nothing, and saves a send.
+HOLD_LIMIT = 1 << 20
+
+
+async def _relay_body(
+    response: Response,
+    send: Send,
+    start: Message,
+    watch: DisconnectWatch,
+    backend_id: str,
+    meter: Meter | None,
+    hold: int,
+) -> int:
+    """A plain body, chunk by chunk; the first `hold` bytes are sent only once whole.
+
+    The headers go out with the first bytes (so a break before any is a clean error).
+    A break after the headers went out cannot change the status: the connection is
+    closed with the body cut short (never ended as if whole), and the failure recorded.
+    """
+    held: list[bytes] = []
+    size = 0
+    sent = False
+    try:
+        async for chunk in response.iter_any():
+            if meter is not None:
+                chunk = meter.chunk(chunk)
+            if not sent:
+                held.append(chunk)
+                size += len(chunk)
+                if size <= hold:
                     continue
-                last = chunk
-                await send({"type": "http.response.body", "body": chunk, "more_body": True})
-        except OSError as exc:
-            if sse:
-                tail = _stream_error(last, backend_id, exc)
-                await send({"type": "http.response.body", "body": tail, "more_body": True})
-        if pending:
+                await send(start)
+                sent = True
+                chunk = held[0] if len(held) == 1 else b"".join(held)
+                held = []
+            await send({"type": "http.response.body", "body": chunk, "more_body": True})
+    except OSError as exc:
+        error = _failed(meter, backend_id, exc)
+        if not sent:
+            raise error from None
+        return error.status  # returning unfinished makes the server close the connection
+    if meter is not None:
+        meter.finish()
+    watch.finishing = True
+    if not sent:
+        await send(start)
+        await send({"type": "http.response.body", "body": b"".join(held)})
+    else:
+        await send({"type": "http.response.body", "body": b""})
+    return int(response.status)
+
+
+async def _relay_events(
+    response: Response,
+    send: Send,
+    start: Message,
+    watch: DisconnectWatch,
+    backend_id: str,
+    meter: Meter | None,
+) -> int:
+    """An SSE stream in whole events: a preemption or a break always leaves the client at
+    an event boundary, and metering sees each event whole.
+
+    A stream that breaks off (backend crash, idle timeout) drops its torn last event and
+    ends with one error event and `data: [DONE]`; nothing ever follows `[DONE]`.
+    """
+    await send(start)
+    status = int(response.status)
+    last = b""
+    pending = b""
+    try:
+        async for chunk in response.iter_any():
+            chunk, pending = split_events(pending + chunk)
+            if meter is not None and chunk:
+                chunk = meter.chunk(chunk)
+            if not chunk:
+                continue
+            last = chunk
+            if b"[DONE]" in chunk:
+                # The answer is whole once [DONE] is out: a client that hangs up now (the
+                # openai SDK does at once) was served, not gone (S7 must not cancel it).
+                watch.finishing = True
+            await send({"type": "http.response.body", "body": chunk, "more_body": True})
+    except OSError as exc:
+        # The torn event (`pending`) is dropped. A stream whose [DONE] went out is whole.
+        if b"[DONE]" not in last:
+            error = _failed(meter, backend_id, exc)
+            status = error.status
+            await send(
+                {"type": "http.response.body", "body": _stream_error(error), "more_body": True}
+            )
+    else:
+        if pending:  # the last event, not closed by a blank line before the end
             if meter is not None:
                 pending = meter.chunk(pending)
             await send({"type": "http.response.body", "body": pending, "more_body": True})
-        if meter is not None:
-            meter.finish()
-        watch.finishing = True
-        await send({"type": "http.response.body", "body": b""})
-        return response.status
+    if meter is not None:
+        meter.finish()
+    watch.finishing = True
+    await send({"type": "http.response.body", "body": b""})
+    return status
 
 
-def _split_events(data: bytes) -> tuple[bytes, bytes]:
-    """Whole SSE events, and the partial one still arriving."""
-    cut = data.rfind(b"\n\n")
-    if cut < 0:
-        return b"", data
-    return data[: cut + 2], data[cut + 2 :]
+def _failed(meter: Meter | None, backend_id: str, exc: BaseException) -> ApiError:
+    """What a broken or silent backend means for the caller, logged once as its fault."""
+    if isinstance(exc, UpstreamTimeout):
+        where = "sending its answer" if exc.headers_seen else "answering"
+        error = ApiError(
+            504,
+            f"backend '{backend_id}' sent nothing for {exc.idle:g}s while {where} "
+            "(timeouts.upstreamIdle); it may be hung or overloaded. If it needs longer, "
+            "raise timeouts.upstreamIdle at the top level or on this backend.",
+            type="api_error",
+            code="upstream_timeout",
+        )
+    else:
+        error = bad_gateway(
+            f"backend '{backend_id}' broke off its answer: {exc or type(exc).__name__}. "
+            "Its log (GET /api/v1/models/logs) may say why."
+        )
+    if meter is not None:
+        meter.fail(error.status, f"{error.code}: {error.message}")
+    log.warning("backend %s failed mid-request (%s): %s", backend_id, error.code, exc)
+    return error
 
 
-def _stream_error(last: bytes, backend_id: str, exc: BaseException) -> bytes:
+def _stream_error(error: ApiError) -> bytes:
     """End a broken stream the way clients understand: one error event, then [DONE]."""
-    error = {
-        "error": {
-            "message": f"backend '{backend_id}' broke off the stream: {exc or type(exc).__name__}",
-            "type": "api_error",
-            "param": None,
-            "code": "backend_error",
-        }
-    }
-    # Close a torn event first so the error event parses on its own.
-    prefix = b"" if last.endswith(b"\n\n") else b"\n\n"
-    return prefix + b"data: " + orjson.dumps(error) + b"\n\ndata: [DONE]\n\n"
+    return b"data: " + orjson.dumps(error.body()) + b"\n\ndata: [DONE]\n\n"

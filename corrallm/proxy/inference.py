@@ -24,6 +24,7 @@ from corrallm.proxy.pipeline import SURFACE_MODE, Admitted, Inbound, Pipeline, c
 from corrallm.routing.router import Route
 
 _TOKEN_LIMITS = ("max_tokens", "max_completion_tokens")
+MAX_TOKENS_ASKED = 2**31 - 1
 
 # Uploads (multipart): forwarded byte for byte, boundary and all.
 UPLOAD_PATHS = frozenset({"/v1/audio/transcriptions", "/v1/audio/translations"})
@@ -64,7 +65,8 @@ def token_limit(payload: dict[str, Any]) -> tuple[int | None, bool]:
                 raise bad_request(
                     f"'{name}' must be a whole number of tokens, not {asked!r}.", param=name
                 )
-            asked = payload[name] = int(asked)
+            # orjson writes 64-bit integers only; past any context length anyway.
+            asked = payload[name] = min(int(asked), MAX_TOKENS_ASKED)
             rewritten = True
         if asked < 1:
             raise bad_request(f"'{name}' must be at least 1, not {asked}.", param=name)
@@ -97,6 +99,10 @@ async def serve(
 ) -> None:
     """A JSON request: chat, completions, embeddings, rerank, speech."""
     payload, model = parse_request(body)
+    stream = payload.get("stream")
+    if stream is not None and not isinstance(stream, bool):
+        # corrallm reads `stream` itself (metering, preemption): it must mean one thing.
+        raise bad_request(f"'stream' must be true or false, not {stream!r}.", param="stream")
     limit, rewritten = token_limit(payload)
     if rewritten:
         body = orjson.dumps(payload)
@@ -142,9 +148,11 @@ async def serve_parsed(
                 route.id,
                 ticket,
                 meter,
+                idle_timeout=pipeline.gw.config.upstream_idle(route.config),
             )
         finally:
             visit.status = meter.status
+            visit.error = meter.error or visit.error  # the answer broke off: 502/504
             visit.metered = meter.metered(len(body))
             visit.ttfb_ms = meter.ttfb_ms()
 
@@ -179,7 +187,18 @@ async def upstream(
         if query:
             url += "?" + query.decode("latin-1")
         headers = request_headers(scope["headers"], route.config.headers)
-        await forward(pipeline.upstream, scope, send, url, body, headers, extra, watch, route.id)
+        await forward(
+            pipeline.upstream,
+            scope,
+            send,
+            url,
+            body,
+            headers,
+            extra,
+            watch,
+            route.id,
+            idle_timeout=pipeline.gw.config.upstream_idle(route.config),
+        )
     except asyncio.CancelledError:
         if watch.absorb():
             return

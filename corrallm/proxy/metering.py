@@ -3,10 +3,14 @@
 Token counts come from the backend's `usage`. For streams corrallm asks for
 `stream_options.include_usage` and hides that extra chunk from a client that did not ask
 for it. A backend that reports nothing gets estimates, flagged as such.
+
+SSE framing lives here too: an event ends at a blank line, whatever the line endings
+(`\n\n`, `\r\n\r\n`, `\r\r` or a mix: sse-starlette frames with CRLF by default).
 """
 
 from __future__ import annotations
 
+import re
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -17,6 +21,46 @@ from corrallm.cost.model import BYTES_PER_TOKEN, Metered
 
 STREAMING_USAGE_ENDPOINTS = frozenset({"/v1/chat/completions", "/v1/completions"})
 MAX_METERED_BODY = 8 * 1024 * 1024  # a non-streaming answer is kept this far to read usage
+
+
+# A blank line: two line ends in a row, a line end being CRLF, a lone CR or a lone LF.
+_BLANK_LINE = re.compile(rb"(?:\r\n|\r(?!\n)|\n)(?:\r\n|\r(?!\n)|\n)")
+
+
+def split_events(data: bytes) -> tuple[bytes, bytes]:
+    """Whole SSE events (up to the last blank line), and the partial one still arriving.
+
+    The hot path: LF-framed data is one `rfind`, and a `find` for a CR after it (usually
+    over nothing: reads end at event boundaries). With CRs, a blank line is any of LF LF,
+    CR CR or LF CR in a row, plus the LF that may end the second line end when it is a
+    CRLF. A CR last in `data` is cut after: the LF of its CRLF, if one follows, opens the
+    next piece (the bytes relayed are unchanged).
+    """
+    cut = data.rfind(b"\n\n")
+    if cut >= 0:
+        cut += 2
+        if data.find(b"\r", cut) < 0:  # no CR after it: no later blank line either
+            return data[:cut], data[cut:]
+    elif b"\r" not in data:
+        return b"", data
+    for pair in (b"\r\r", b"\n\r"):
+        at = data.rfind(pair)
+        if at >= 0:
+            end = at + 2
+            if data[end : end + 1] == b"\n":
+                end += 1
+            cut = max(cut, end)
+    if cut < 0:
+        return b"", data
+    return data[:cut], data[cut:]
+
+
+def count_events(data: bytes) -> int:
+    """Blank lines in `data` (whole events), whatever the line endings."""
+    if b"\r" not in data:
+        return data.count(b"\n\n")
+    # Each blank line holds one of these pairs (see `split_events`); no copy is made.
+    return data.count(b"\n\n") + data.count(b"\r\r") + data.count(b"\n\r")
 
 
 def ask_for_usage(path: str, payload: dict[str, Any]) -> bool:
@@ -43,6 +87,8 @@ class Meter:
     bytes_out: int = 0
     events: int = 0
     usage: dict[str, Any] | None = None
+    # Set when the answer broke off (backend crash, idle timeout): one line for the row.
+    error: str | None = None
     _body: bytearray = field(default_factory=bytearray)
     _keep_body: bool = True
 
@@ -55,7 +101,8 @@ class Meter:
         if self.first_byte is None:
             self.first_byte = time.monotonic()
         if self.sse:
-            self.events += data.count(b"\n\n")
+            events = data.count(b"\n\n")  # LF framing; else count the CR kinds too
+            self.events += events if events else count_events(data)
             # Only a usage object is worth parsing; with include_usage every other chunk
             # carries `"usage": null`, and parsing those was a tenth of a stream's cost.
             if b'"usage":{' in data or b'"usage": {' in data:
@@ -91,17 +138,37 @@ class Meter:
     def ttfb_ms(self) -> float | None:
         return None if self.first_byte is None else (self.first_byte - self.started) * 1000
 
+    def fail(self, status: int, error: str) -> None:
+        """The answer broke off: record it as failed, whatever the backend's status was."""
+        self.status, self.error = status, error
+
     def _usage_events(self, data: bytes) -> bytes:
-        kept = []
-        for event in data.split(b"\n\n"):
-            if (b'"usage":{' in event or b'"usage": {' in event) and event.startswith(b"data: "):
-                try:
-                    obj = orjson.loads(event[6:])
-                except orjson.JSONDecodeError:
-                    obj = None
-                if isinstance(obj, dict) and isinstance(obj.get("usage"), dict):
-                    self.usage = obj["usage"]
-                    if self.strip_usage and obj.get("choices") == []:
-                        continue  # the chunk corrallm asked for, not the client
-            kept.append(event)
-        return b"\n\n".join(kept)
+        if b"\r" not in data:
+            return b"\n\n".join(e for e in data.split(b"\n\n") if self._keep(e))
+        # CR in the framing: cut after each blank line, terminators kept as they came.
+        kept, start = [], 0
+        for blank in _BLANK_LINE.finditer(data):
+            event = data[start : blank.end()]
+            start = blank.end()
+            if self._keep(event):
+                kept.append(event)
+        if start < len(data):
+            kept.append(data[start:])
+        return b"".join(kept)
+
+    def _keep(self, event: bytes) -> bool:
+        """Read usage from one event; False if it is the usage chunk this client did not ask for."""
+        if b'"usage":{' not in event and b'"usage": {' not in event:
+            return True
+        line = event.lstrip(b"\r\n")
+        if not line.startswith(b"data:"):
+            return True
+        try:
+            obj = orjson.loads(line[5:])
+        except orjson.JSONDecodeError:
+            return True
+        if isinstance(obj, dict) and isinstance(obj.get("usage"), dict):
+            self.usage = obj["usage"]
+            if self.strip_usage and obj.get("choices") == []:
+                return False  # the chunk corrallm asked for, not the client
+        return True

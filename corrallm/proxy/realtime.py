@@ -68,7 +68,10 @@ async def _close(send: Send, accepted: bool, refused: Refused) -> None:
 
 
 def _close_code(exc: ApiError) -> int:
-    """Congestion and failed starts are worth retrying (1013); anything else is a refusal."""
+    """Congestion and failed starts are worth retrying (1013); anything else, a pause
+    included (F3: a decision, not congestion), is a refusal (1008)."""
+    if exc.code == "paused":
+        return POLICY_VIOLATION
     return TRY_AGAIN_LATER if exc.status in (429, 502, 503, 504) else POLICY_VIOLATION
 
 

@@ -12,7 +12,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 from corrallm.config.schema import Server
@@ -72,7 +72,7 @@ class Residency:
     reader: MemoryReader | None = None
     clock: Callable[[], float] = time.monotonic
     tenancies: dict[str, Tenancy] = field(default_factory=dict)
-    bus: Transitions | None = None
+    bus: Transitions[Supervisor] | None = None
 
     def __post_init__(self) -> None:
         self._locks: dict[str, asyncio.Lock] = {}
@@ -182,7 +182,8 @@ class Residency:
             )
         await asyncio.gather(*(self.tenancies[v].supervisor.unload() for v in victims))
 
-    def _no_room_message(self, tenancy: Tenancy, short: dict[str, int]) -> str:
+    def _no_room_message(self, tenancy: Tenancy, short: Mapping[str, int]) -> str:
+        assert tenancy.server is not None, "only tenancies that take room are planned"
         holders = []
         for other in self.residents(tenancy.server, tenancy.supervisor.id):
             sup = other.supervisor
@@ -236,5 +237,5 @@ class Residency:
             await asyncio.wait_for(self._changed.wait(), within)
 
 
-def _sizes(vector: dict[str, int]) -> str:
+def _sizes(vector: Mapping[str, int]) -> str:
     return ", ".join(f"{pool} {format_size(n)}" for pool, n in sorted(vector.items())) or "-"

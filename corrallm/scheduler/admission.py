@@ -161,7 +161,11 @@ class Admission:
         self._waiting[ticket.id] = future
         max_wait = (group.max_wait if group else None) or self.config.scheduler.max_wait
         try:
-            admitted = await asyncio.wait_for(asyncio.shield(future), max_wait)
+            # asyncio.timeout, not wait_for: on 3.11 wait_for swallows a cancel that lands
+            # once the future is done, and a client gone at the instant it was admitted
+            # would go on to the backend holding the slot (S7).
+            async with asyncio.timeout(max_wait):
+                admitted = await asyncio.shield(future)
         except TimeoutError:
             self._withdraw(ticket.id, future)
             capacity, in_flight, waiting = self.core.load(backend)

@@ -17,6 +17,26 @@ from typing import Any, TypeVar
 
 T = TypeVar("T")
 
+
+class StoreUnavailable(Exception):
+    """The store could not carry out a statement (disk full, file unwritable, I/O error):
+    nothing of that statement was kept. The message names the file, SQLite's reason and
+    what to do about it."""
+
+    def __init__(self, path: Path, error: sqlite3.Error) -> None:
+        self.path = path
+        self.reason = str(error) or type(error).__name__
+        reason = self.reason.lower()
+        if "full" in reason:
+            fix = f"free space on the disk holding {path.parent} (or point --db elsewhere)"
+        elif "readonly" in reason or "read-only" in reason or "permission" in reason:
+            fix = f"make {path} and its folder writable by corrallm"
+        else:
+            fix = f"check the disk and the file {path}"
+        self.fix = fix
+        super().__init__(f"the store {path} failed: {self.reason}; {fix}")
+
+
 MIGRATIONS: Sequence[Sequence[str]] = (
     # 1: pauses (SPEC §10 P1, §9 C5): what must survive a restart.
     (
@@ -246,4 +266,7 @@ class Store:
         self._db = db
 
     async def _run(self, fn: Callable[[], T]) -> T:
-        return await asyncio.get_running_loop().run_in_executor(self._thread, fn)
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self._thread, fn)
+        except sqlite3.Error as exc:
+            raise StoreUnavailable(self.path, exc) from exc

@@ -143,7 +143,9 @@ async def usage_series(
     found = {
         (r["b"], r["grp"] if by_group else None): _sums(r) for r in await store.query(sql, args)
     }
-    groups = sorted({g for _, g in found}) if by_group else [None]
+    groups: list[str | None] = (
+        sorted({g for _, g in found if g is not None}) if by_group else [None]
+    )
     empty: dict[str, Any] = {name: 0 for name in SUM_FIELDS}
     empty.update(energy_wh=0.0, cost_usd=0.0, dwell_ms_avg=None)
     points = []
@@ -189,7 +191,8 @@ async def activity(
 ) -> list[dict[str, Any]]:
     """The newest `limit` rows in the range, newest first, optionally filtered (each filter
     has its own `(column, t)` index)."""
-    where, args = ["t >= ?", "t < ?"], [since, until]
+    where: list[str] = ["t >= ?", "t < ?"]
+    args: list[Any] = [since, until]
     for column, value in (("key", key), ("model", model), ("grp", group)):
         if value is not None:
             where.append(f"{column} = ?")

@@ -107,6 +107,7 @@ class Verify:
 
     def _request(self, backend: dict[str, Any]) -> str:
         kind = backend.get("type", "chat")
+        body: dict[str, Any]
         if kind in ("embed", "embedding", "embeddings"):
             path, body = "/v1/embeddings", {"model": self.model, "input": "verify"}
         else:

@@ -23,7 +23,7 @@ from corrallm.gateway import Gateway
 from corrallm.proxy.asgi import Receive, Scope, Send, read_body, send_bytes
 from corrallm.proxy.errors import ApiError
 from corrallm.ui import views
-from corrallm.ui.economics import Economics
+from corrallm.ui.money import money
 
 HERE = Path(__file__).parent
 STATIC = HERE / "static"
@@ -50,7 +50,6 @@ class Dashboard:
         are served instead of the packaged ones of the same name."""
         self.gw = gateway
         self._token = admin_token
-        self.economics = Economics(gateway)
         folders = [HERE] if web_root is None else [web_root, HERE]
         self.env = jinja2.Environment(
             loader=jinja2.FileSystemLoader([str(f / "templates") for f in folders]),
@@ -59,7 +58,7 @@ class Dashboard:
             lstrip_blocks=True,
             undefined=jinja2.StrictUndefined,
         )
-        self.env.filters.update(size=size, duration=duration, when=when, pct=pct)
+        self.env.filters.update(size=size, duration=duration, when=when, pct=pct, money=money)
         self._static = {}
         for folder in reversed(folders):  # the web root's files win
             static = folder / "static"
@@ -67,12 +66,6 @@ class Dashboard:
                 self._static.update(
                     {p.name: p.read_bytes() for p in static.iterdir() if p.is_file()}
                 )
-
-    async def start(self) -> None:
-        await self.economics.start()
-
-    async def stop(self) -> None:
-        await self.economics.stop()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         path, method = scope["path"], scope["method"]
@@ -120,7 +113,7 @@ class Dashboard:
     async def _dashboard(self, send: Send) -> None:
         context: dict[str, Any] = {"sections": {}}
         for name in views.SECTIONS:
-            context["sections"][name] = await views.section(name, self.gw, self.economics, {})
+            context["sections"][name] = await views.section(name, self.gw, {})
         await self._page(send, 200, "dashboard.html", **context)
 
     async def _fragment(self, send: Send, name: str, query: dict[str, str]) -> None:
@@ -128,7 +121,7 @@ class Dashboard:
             await send_bytes(send, 404, b"No such section.", b"text/plain")
             return
         try:
-            data = await views.section(name, self.gw, self.economics, query)
+            data = await views.section(name, self.gw, query)
         except ApiError as exc:
             await send_bytes(send, exc.status, exc.message.encode(), b"text/plain")
             return
@@ -187,10 +180,16 @@ def duration(seconds: float | None) -> str:
     return f"{s / 86400:.1f} d"
 
 
-def when(unix: float | None) -> str:
-    if unix is None:
+def when(moment: float | str | None) -> str:
+    """Unix seconds or an RFC 3339 time, to the minute in UTC."""
+    if moment is None:
         return DASH
-    return datetime.fromtimestamp(unix, UTC).strftime("%Y-%m-%d %H:%M UTC")
+    if isinstance(moment, str):
+        try:
+            moment = datetime.fromisoformat(moment.replace("Z", "+00:00")).timestamp()
+        except ValueError:
+            return DASH
+    return datetime.fromtimestamp(moment, UTC).strftime("%Y-%m-%d %H:%M UTC")
 
 
 def pct(fraction: float | None) -> str:

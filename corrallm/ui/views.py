@@ -1,5 +1,5 @@
 """What each dashboard section shows, gathered from the one service layer (api/service.py,
-api/usage.py) and the economics ledger. Plain data for the templates; no HTML here."""
+api/usage.py), the economics ledger included. Plain data for the templates; no HTML here."""
 
 from __future__ import annotations
 
@@ -9,7 +9,6 @@ from typing import Any
 from corrallm.api import service, usage
 from corrallm.gateway import Gateway
 from corrallm.proxy import audio
-from corrallm.ui.economics import Economics
 
 SECTIONS = (
     "overview",
@@ -27,9 +26,7 @@ FORMATS = ("json", "verbose_json", "diarized_json", "text", "srt", "vtt")
 RANGES = {"hour": ("1h", "5m"), "day": ("24h", "1h"), "week": ("7d", "6h")}
 
 
-async def section(
-    name: str, gw: Gateway, economics: Economics, params: dict[str, str]
-) -> dict[str, Any]:
+async def section(name: str, gw: Gateway, params: dict[str, str]) -> dict[str, Any]:
     if name == "overview":
         return overview(gw)
     if name == "residency":
@@ -41,7 +38,7 @@ async def section(
     if name == "logs":
         return logs(gw, params.get("model"))
     if name == "economics":
-        return economics.view()
+        return service.economics(gw)
     if name == "playground":
         return playground(gw)
     return definitions(gw)

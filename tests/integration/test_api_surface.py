@@ -7,6 +7,7 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import httpx
 import orjson
@@ -148,3 +149,115 @@ def test_P5_dump_graphql_prints_the_sdl():
     assert out.returncode == 0
     assert "type Query {" in out.stdout and "type Mutation {" in out.stdout
     assert "pauseModel(model: String!, until: String = null): PauseResult!" in out.stdout
+
+
+# -- the economics ledger (SPEC §14, §11 D1) ---------------------------------------------
+
+ECONOMICS_GQL = (
+    "{ economics { since gpuCapacity gpuHours gpuHourPrice avoidedUsd rows { backend asleepNow"
+    " wakes sleeps asleepSeconds wakeCount wakeSecondsLast wakeSecondsAvg wakeSecondsMax"
+    " gpuFootprint gpuHours firstSeen } } }"
+)
+# Grow with time while a backend sleeps: equal between two calls only to within a moment.
+TIME_VARYING = {"asleep_seconds", "gpu_hours", "avoided_usd"}
+RELOADED = f"""
+servers: {{box: {{pools: {{gpu0: 8GB}}}}}}
+ledger: {{gpuHourPrice: 2.5}}
+extensions:
+  shared: {{cmd: "{fake_cmd()}", proxy: "${{PORT}}"}}
+models:
+  m:
+    backends:
+      - cmd: "{fake_cmd("--load-seconds", "0.3")}"
+        proxy: ${{PORT}}
+        ramUsage: {{gpu0: 1GB}}
+  hosted: {{backends: [{{extension: shared}}]}}
+  added:
+    backends: [{{cmd: "{fake_cmd()}", proxy: "${{PORT}}", ramUsage: {{gpu0: 2GB}}}}]
+"""
+
+
+def _snake(name: str) -> str:
+    return "".join(f"_{c.lower()}" if c.isupper() else c for c in name)
+
+
+def _economics_by_graphql(gw) -> dict:
+    answer = graphql(gw, ECONOMICS_GQL).json()
+    assert "errors" not in answer, answer
+    data = {_snake(k): v for k, v in answer["data"]["economics"].items()}
+    data["rows"] = [{_snake(k): v for k, v in row.items()} for row in data["rows"]]
+    return data
+
+
+def _same(rest: object, gql: object, field: str = "") -> None:
+    if isinstance(rest, dict):
+        assert isinstance(gql, dict) and rest.keys() == gql.keys(), (field, rest, gql)
+        for key in rest:
+            _same(rest[key], gql[key], key)
+    elif isinstance(rest, list):
+        assert isinstance(gql, list) and len(rest) == len(gql), (field, rest, gql)
+        for r, g in zip(rest, gql, strict=True):
+            _same(r, g, field)
+    elif field in TIME_VARYING and rest is not None:
+        assert gql == pytest.approx(rest, rel=0.05, abs=2.0), field
+    else:
+        assert rest == gql, (field, rest, gql)
+
+
+def _rows(ledger: dict) -> dict[str, dict]:
+    return {row["backend"]: row for row in ledger["rows"]}
+
+
+def test_D1_P6_economics_counts_wakes_and_sleeps_after_a_reload_and_rows_new_backends(gw):
+    """Before the transition bus (a35a702) a reload rewired every supervisor's listeners and
+    the ledger, subscribed once to the first supervisors, stopped hearing them: the wake and
+    sleep after the reload went uncounted and the added backend never got a row."""
+    _economics_by_graphql(gw)  # GraphQL's app is built on first use: not between the two
+    assert gw.api("POST", "models/load", {"model": "m"}).status_code == 200
+    assert gw.api("POST", "models/unload", {"model": "m"}).status_code == 200
+    before = _rows(gw.api("GET", "economics").json())
+    assert (before["m#0"]["wakes"], before["m#0"]["sleeps"]) == (1, 1)
+
+    config = Path(gw.proc.args[gw.proc.args.index("--config") + 1])
+    config.write_text(RELOADED)
+    reloaded = gw.api("POST", "config/reload")
+    assert reloaded.status_code == 200, reloaded.text
+    assert reloaded.json()["kept"] == ["extension:shared", "m#0"]
+    assert reloaded.json()["added"] == ["added#0"]
+
+    assert gw.api("POST", "models/load", {"model": "m"}).status_code == 200
+    assert gw.api("POST", "models/unload", {"model": "m"}).status_code == 200
+    assert gw.api("POST", "models/load", {"model": "added"}).status_code == 200
+    rest = gw.api("GET", "economics")
+    assert rest.status_code == 200
+    ledger = rest.json()
+    rows = _rows(ledger)
+    assert set(rows) == {"m#0", "added#0", "extension:shared"}  # the config in force
+    assert (rows["m#0"]["wakes"], rows["m#0"]["sleeps"]) == (2, 2)
+    assert rows["m#0"]["wake_seconds_last"] >= 0.3  # its fake load time
+    assert (rows["added#0"]["wakes"], rows["added#0"]["asleep_now"]) == (1, False)
+    assert rows["added#0"]["gpu_footprint"] == 2 * 10**9
+    assert (ledger["gpu_capacity"], ledger["gpu_hour_price"]) == (8 * 10**9, 2.5)
+    assert ledger["since"].endswith("Z") and rows["added#0"]["first_seen"].endswith("Z")
+    _same(ledger, _economics_by_graphql(gw))
+
+
+async def test_fault8_no_exception_leaves_the_management_api_as_a_plain_text_500(caplog):
+    """In process: a service that fails unexpectedly (here the gateway lacks what the
+    overview reads) answers the OpenAI shape with a request id that the log carries."""
+    from types import SimpleNamespace
+
+    from corrallm.api.rest import build_rest
+
+    app = build_rest(SimpleNamespace())  # type: ignore[arg-type]
+    transport = httpx.ASGITransport(app=app)
+    async with httpx.AsyncClient(transport=transport, base_url="http://t") as client:
+        answer = await client.get("/api/v1/overview")
+    assert answer.status_code == 500
+    assert answer.headers["content-type"] == "application/json"
+    error = answer.json()["error"]
+    assert (error["type"], error["code"]) == ("api_error", "internal_error")
+    request_id = answer.headers["x-request-id"]
+    assert f"request {request_id}" in error["message"]
+    logged = [r for r in caplog.records if f"request={request_id}" in r.getMessage()]
+    assert logged and logged[0].exc_info is not None  # the traceback is in the log

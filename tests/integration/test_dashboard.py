@@ -292,3 +292,28 @@ def test_D1_U4_playground_lists_batch_stt_models_and_marks_the_diarizing_ones(
 def test_D1_playground_says_when_no_model_takes_uploads(gw, signed_in):
     html = section(signed_in(gw), "playground")
     assert "No speech-to-text model takes uploads" in html and "<form" not in html
+
+
+def test_D1_C1_small_costs_show_their_magnitude_not_zeros(gateway_factory, signed_in):
+    """Energy costs about a millionth of a dollar a request: shown as such, never $0.0000."""
+    gw = gateway_factory(
+        CONFIG.replace("commandCosts:", "costPerKwh: 0.15\ncommandCosts:").replace(
+            "generateWattsPerToken: 0.01", "generateWattsPerToken: 0.0001"
+        )
+    )
+    body = {"model": "alpha", "messages": [{"role": "user", "content": "hi"}]}
+    assert httpx.post(gw.v1 + "/chat/completions", json=body, timeout=60).status_code == 200
+    client = signed_in(gw)
+
+    def shown() -> str | None:
+        html = section(client, "usage", range="hour")
+        return html if "1 req" in html else None
+
+    html = wait_for(shown, 15, 0.2, what="the request in the usage section")
+    cost = gw.api("GET", "usage/by-key?since=1h").json()["rows"][0]["cost_usd"]
+    assert 0 < cost < 1e-4  # the premise: a tiny amount
+    assert "$0.0000 " not in html and re.search(r"req · \$[\d.]+[µn] ·", html), html
+    # The dashboard's ledger is the API's: the same backends, from the same service.
+    api_rows = [r["backend"] for r in gw.api("GET", "economics").json()["rows"]]
+    ledger = section(client, "economics")
+    assert api_rows and all(f'data-econ="{b}"' in ledger for b in api_rows)

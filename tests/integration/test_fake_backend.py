@@ -440,3 +440,56 @@ def test_fast_mode_answers_valid_json_without_logging(spawn: Callable[..., Backe
     assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 4
     assert b.get("/debug/stats")["completed"] == 4
     assert "request:" not in b.output()
+
+
+def test_sse_crlf_frames_every_event_with_crlf(spawn: Callable[..., Backend]) -> None:
+    b = spawn("--tokens", "3", "--sse-crlf")
+    body = {"messages": MESSAGES, "stream": True}
+    raw = httpx.post(f"{b.url}/v1/chat/completions", json=body, timeout=10).content
+    assert raw.endswith(b"data: [DONE]\r\n\r\n") and raw.count(b"\r\n\r\n") == 6
+    assert b"\n" not in raw.replace(b"\r\n", b"")  # no bare LF anywhere
+
+
+def test_hang_with_faulty_requests_hangs_only_the_first(spawn: Callable[..., Backend]) -> None:
+    b = spawn("--hang", "--faulty-requests", "1")
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{b.url}/v1/chat/completions", json={"messages": MESSAGES}, timeout=0.5)
+    wait_until(lambda: b.get("/debug/stats")["cancelled"] == 1, what="the hang cancelled")
+    ok = httpx.post(f"{b.url}/v1/chat/completions", json={"messages": MESSAGES}, timeout=10)
+    assert ok.status_code == 200
+
+
+def test_stall_after_tokens_goes_silent_with_the_connection_open(
+    spawn: Callable[..., Backend],
+) -> None:
+    b = spawn("--tokens", "10", "--stall-after-tokens", "2")
+    body = {"messages": MESSAGES, "stream": True}
+    received: list[str] = []
+    with (
+        pytest.raises(httpx.ReadTimeout),
+        httpx.stream("POST", f"{b.url}/v1/chat/completions", json=body, timeout=1) as resp,
+    ):
+        received.extend(line for line in resp.iter_lines() if line.startswith("data: "))
+    assert len(received) == 3  # role chunk + 2 tokens, then silence
+    wait_until(lambda: b.get("/debug/stats")["cancelled"] == 1, what="the stall cancelled")
+
+
+def test_die_mid_body_cuts_a_non_streamed_answer(spawn: Callable[..., Backend]) -> None:
+    b = spawn("--die-mid-body")
+    with pytest.raises(httpx.RemoteProtocolError):
+        httpx.post(f"{b.url}/v1/chat/completions", json={"messages": MESSAGES}, timeout=10)
+    assert b.proc.wait(timeout=DEADLINE) == 1
+
+
+def test_crash_mid_event_tears_the_next_event(spawn: Callable[..., Backend]) -> None:
+    b = spawn("--tokens", "10", "--crash-after-tokens", "2", "--crash-mid-event")
+    body = {"messages": MESSAGES, "stream": True}
+    raw = b""
+    with (
+        pytest.raises(httpx.RemoteProtocolError),
+        httpx.stream("POST", f"{b.url}/v1/chat/completions", json=body, timeout=10) as resp,
+    ):
+        for piece in resp.iter_raw():
+            raw += piece
+    assert raw.count(b"\n\n") == 3 and not raw.endswith(b"\n\n")  # 3 whole, 1 torn
+    assert b.proc.wait(timeout=DEADLINE) == 1

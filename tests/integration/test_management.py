@@ -200,3 +200,27 @@ def test_openapi_document_lists_the_management_endpoints(gw):
         "extensions/unpause",
     ):
         assert f"/api/v1/{name}" in paths
+
+
+def test_fault9_P6_a_reload_of_a_vanished_config_names_the_file_and_keeps_the_old(gw):
+    """Before: the refusal said only '(file): cannot read the config: No such file or
+    directory', naming no file."""
+    from pathlib import Path
+
+    assert chat(gw, "m").status_code == 200
+    config = Path(gw.proc.args[gw.proc.args.index("--config") + 1])
+    config.unlink()
+    refused = gw.api("POST", "config/reload")
+    assert refused.status_code == 400
+    error = refused.json()["error"]
+    assert error["code"] == "invalid_config"
+    assert str(config) in error["message"] and "No such file" in error["message"]
+    assert "old one stays in force" in error["message"]
+    assert "back at" in error["message"]  # the fix
+    assert chat(gw, "m").status_code == 200  # the old config is still in force
+    assert [m["name"] for m in gw.api("GET", "overview").json()["models"]] == [
+        "m",
+        "pinned",
+        "one",
+        "two",
+    ]

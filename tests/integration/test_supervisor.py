@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 from pathlib import Path
 
 import aiohttp
@@ -114,3 +115,14 @@ async def test_L6_n_ctx_and_n_slots_parsed_from_the_backend_log(make):
     await sup.ensure_ready()
     assert (sup.logs.n_ctx, sup.logs.n_slots) == (2048, 3)
     assert (sup.home / "logs" / "b0.log").read_text().count("n_slots") >= 1
+
+
+async def test_L6_a_backends_output_goes_to_its_log_file_never_to_a_pipe(make):
+    # A pipe's reader is this process: after a crash of corrallm the backend would be
+    # writing into a pipe nobody reads, and die of SIGPIPE (tests/faults/test_restart.py).
+    sup = make()
+    await sup.ensure_ready()
+    log = sup.home / "logs" / "b0.log"
+    targets = {os.readlink(f"/proc/{sup.pid}/fd/{fd}") for fd in (1, 2)}
+    assert targets == {str(log)}
+    assert any("server is listening" in line for line in sup.logs.tail(50))  # followed

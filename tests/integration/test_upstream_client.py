@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from corrallm.proxy.client import HIGH_WATER, Client, UpstreamError
+from corrallm.proxy.client import HIGH_WATER, Client, UpstreamError, UpstreamTimeout
 
 Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
 
@@ -239,3 +239,56 @@ async def test_https_upstreams_are_verified_against_the_system_trust(certificate
         await trusting.close()
     finally:
         server.close()
+
+
+async def test_S20_a_client_paused_by_backpressure_is_not_the_backends_silence(client):
+    # The backend is held back by us (reading paused) for longer than the idle timeout:
+    # that is not the backend being silent, and the answer completes.
+    size = 32 * HIGH_WATER
+
+    async def firehose(reader, writer):
+        await read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % size)
+        block = b"x" * 65536
+        for _ in range(size // len(block)):
+            writer.write(block)
+            await writer.drain()
+
+    async with (
+        Server(firehose) as server,
+        await client.request("POST", server.url, b"", [], idle_timeout=0.2) as response,
+    ):
+        chunks = response.iter_any()
+        got = len(await chunks.__anext__())
+        conn = response._conn
+        for _ in range(500):  # a deadline of 5 s for reading to be paused
+            if conn.paused:
+                break
+            await asyncio.sleep(0.01)
+        assert conn.paused
+        await asyncio.sleep(0.5)  # a slow client: 2.5 idle timeouts without reading
+        async for chunk in chunks:
+            got += len(chunk)
+        assert got == size and response.error is None
+
+
+async def test_S20_an_idle_timeout_mid_body_fails_the_answer_and_closes_the_connection(client):
+    closed = asyncio.Event()
+
+    async def stalls(reader, writer):
+        await read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 10\r\n\r\nhalf")
+        await writer.drain()
+        await reader.read()  # until the client hangs up
+        closed.set()
+
+    async with Server(stalls) as server:
+        response = await client.request("POST", server.url, b"", [], idle_timeout=0.2)
+        async with response:
+            got = b""
+            with pytest.raises(UpstreamTimeout) as caught:
+                async for chunk in response.iter_any():
+                    got += chunk
+        assert got == b"half" and caught.value.headers_seen
+        await asyncio.wait_for(closed.wait(), 5)  # the backend sees the cancel
+        assert not client._idle.get(response._conn.key)  # never pooled

@@ -8,7 +8,8 @@ import time
 
 import pytest
 
-from corrallm.api.service import ServiceError, parse_until
+from corrallm.api.service import parse_until
+from corrallm.proxy.errors import ApiError
 
 
 def test_P1_until_accepts_rfc3339_durations_and_unix_seconds():
@@ -36,7 +37,7 @@ def test_P1_until_accepts_rfc3339_durations_and_unix_seconds():
     ],
 )
 def test_P1_an_unusable_until_is_a_400_not_a_crash(value):
-    with pytest.raises(ServiceError) as err:
+    with pytest.raises(ApiError) as err:
         parse_until(value)
     assert (err.value.status, err.value.code) == (400, "invalid_until")
     assert "'until'" in err.value.message

@@ -16,11 +16,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from corrallm.api.service import ServiceError
 from corrallm.api.usage import parse_bucket, parse_time, time_range
+from corrallm.proxy.errors import ApiError
 from corrallm.store import activity, queries
 from corrallm.store.activity import INSERT, Activity, ActivityLog
-from corrallm.store.db import MIGRATIONS, Store
+from corrallm.store.db import MIGRATIONS, Store, StoreUnavailable
 
 H = 3600
 T0 = 1_767_225_600  # 2026-01-01T00:00:00Z, a whole day (and hour) since the epoch
@@ -378,8 +378,9 @@ async def test_C3_a_failed_batch_writes_nothing(store):
         0,
         None,
     )
-    with pytest.raises(sqlite3.IntegrityError):
+    with pytest.raises(StoreUnavailable) as failed:
         await activity.write(store, [good, good, bad])  # rows and rollups: all or nothing
+    assert isinstance(failed.value.__cause__, sqlite3.IntegrityError)
     assert await store.query("SELECT id FROM activity") == []
     assert await store.query("SELECT hour FROM usage_key_hour") == []
     assert await store.query("SELECT hour FROM usage_model_hour") == []
@@ -420,7 +421,7 @@ BAD_TIMES = ["yesterday", "-5", "nan", "inf", "24 hours", "2026-13-01", "5x", "1
 
 @pytest.mark.parametrize("text", [*BAD_TIMES, "99999999999d"])
 def test_C4_a_bad_time_is_a_400_naming_the_parameter(text):
-    with pytest.raises(ServiceError) as err:
+    with pytest.raises(ApiError) as err:
         parse_time(text, "until", NOW)
     assert (err.value.status, err.value.code, err.value.param) == (400, "invalid_until", "until")
     assert "'until'" in err.value.message and repr(text) in err.value.message
@@ -431,7 +432,7 @@ def test_C4_range_defaults_to_the_last_24h_and_since_must_precede_until():
     assert time_range("1h", None, NOW) == (NOW - H, NOW)
     assert time_range(None, str(T0), NOW) == (T0 - 86400, T0)
     for since, until in (("1h", "2h"), (str(NOW), None), ("2026-01-01T00:00:00Z", str(T0))):
-        with pytest.raises(ServiceError) as err:
+        with pytest.raises(ApiError) as err:
             time_range(since, until, NOW)
         assert (err.value.status, err.value.param) == (400, "since")
         assert "must be before 'until'" in err.value.message
@@ -458,13 +459,13 @@ def test_C4_bucket_accepts_durations(text, seconds):
 
 @pytest.mark.parametrize("text", ["0", "500ms", "1.5s", "soon", "-5m", "3651d", "1" + "0" * 30])
 def test_C4_a_bad_bucket_is_a_400(text):
-    with pytest.raises(ServiceError) as err:
+    with pytest.raises(ApiError) as err:
         parse_bucket(text, NOW - 86400, NOW)
     assert (err.value.status, err.value.code, err.value.param) == (400, "invalid_bucket", "bucket")
 
 
 def test_C4_a_bucket_giving_too_many_points_is_a_400_suggesting_one_that_fits():
-    with pytest.raises(ServiceError) as err:
+    with pytest.raises(ApiError) as err:
         parse_bucket("1s", NOW - 30 * 86400, NOW)
     assert "at least 260s" in err.value.message
     assert parse_bucket("260s", NOW - 30 * 86400, NOW) == 260

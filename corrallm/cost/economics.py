@@ -1,13 +1,19 @@
-"""The economics ledger (SPEC §11 D1): what sleeping backends gave back to the pool.
+"""The economics ledger (SPEC §11 D1, §14): what sleeping backends gave back to the pool.
 
 Per backend: wakes, sleeps, time asleep, wake latencies observed, and GPU-hours returned
 = sum(hours asleep * the backend's GPU pool footprint) / total GPU capacity (pools whose
 name starts with `gpu`). Counters start at install and live in the store (migration 4).
 
-The ledger listens to every supervisor's transitions (a plain, synchronous callback that
-only updates memory); writes happen in a background task, never on the request path.
-Time asleep is folded into the counters at each transition and at each checkpoint, so a
-restart loses at most one checkpoint of it; the gateway's downtime is never counted.
+A long-lived owner: built once with the gateway, it subscribes once to the transition bus
+(a plain, synchronous listener that only updates memory) and asks the residency, at each
+use, which backends the config in force has and what they hold. So a config reload needs
+nothing from it: every backend of the current config has a row, the ones a reload added
+included, and the counters of a backend that stays carry on. A backend is first seen at
+start, at a transition, a view or a checkpoint (every 30 s), whichever comes first after
+the config that added it; its time asleep counts from then. Writes happen in a
+background task, never on the request path. Time asleep is folded into the counters at
+each transition and each checkpoint, so a restart loses at most one checkpoint of it; the
+gateway's downtime is never counted.
 """
 
 from __future__ import annotations
@@ -16,21 +22,63 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields
-from typing import TYPE_CHECKING, Any
+from typing import Any, Generic, Protocol, TypeVar
 
 from corrallm.lifecycle.state import State
+from corrallm.lifecycle.transitions import Transitions
+from corrallm.store import economics as table
+from corrallm.store.db import Store
 
-if TYPE_CHECKING:
-    from corrallm.gateway import Gateway
-    from corrallm.lifecycle.supervisor import Supervisor
-
-log = logging.getLogger("corrallm.ui")
+log = logging.getLogger("corrallm.cost")
 
 ASLEEP = frozenset({State.STOPPED, State.PAUSED, State.FAILED})
 CHECKPOINT_SECONDS = 30.0
 GPU_PREFIX = "gpu"
+
+
+# -- what the ledger reads of the config in force (the residency provides all of it) ----
+
+
+class Process(Protocol):
+    @property
+    def id(self) -> str: ...
+    @property
+    def state(self) -> State: ...
+    @property
+    def last_load_seconds(self) -> float | None: ...
+
+
+P = TypeVar("P", bound=Process)  # what the bus carries: a Supervisor
+
+
+class Holding(Protocol):
+    """A supervised process and the pools it declares (`residency.manager.Tenancy`)."""
+
+    @property
+    def supervisor(self) -> Process: ...
+    @property
+    def usage(self) -> Mapping[str, int]: ...
+
+
+class Pools(Protocol):
+    @property
+    def pools(self) -> Mapping[str, int]: ...
+
+
+class Holdings(Protocol):
+    """The current backends and servers (`residency.manager.Residency`)."""
+
+    @property
+    def tenancies(self) -> Mapping[str, Holding]: ...
+    @property
+    def servers(self) -> Mapping[str, Pools]: ...
+
+
+def gpu_bytes(pools: Mapping[str, int]) -> int:
+    """The part of a pool vector in GPU pools."""
+    return sum(v for pool, v in pools.items() if pool.startswith(GPU_PREFIX))
 
 
 @dataclass
@@ -46,66 +94,91 @@ class Counters:
     wake_seconds_last: float | None = None
     gpu_hours: float = 0.0
 
-    def merge(self, stored: dict[str, Any]) -> None:
+    def merge(self, stored: Mapping[str, Any]) -> None:
         """Add what the store kept (earlier runs) to what this run counted so far."""
         self.first_seen = min(self.first_seen, stored["first_seen"])
-        for name in ("wakes", "sleeps", "asleep_seconds", "wake_count", "wake_seconds_total"):
-            setattr(self, name, getattr(self, name) + stored[name])
+        self.wakes += stored["wakes"]
+        self.sleeps += stored["sleeps"]
+        self.asleep_seconds += stored["asleep_seconds"]
+        self.wake_count += stored["wake_count"]
+        self.wake_seconds_total += stored["wake_seconds_total"]
         self.gpu_hours += stored["gpu_hours"]
         self.wake_seconds_max = max(self.wake_seconds_max, stored["wake_seconds_max"])
         if self.wake_seconds_last is None:
             self.wake_seconds_last = stored["wake_seconds_last"]
 
-
-COLUMNS = [f.name for f in fields(Counters)]
-UPSERT = (
-    f"INSERT INTO economics ({', '.join(COLUMNS)}) VALUES ({', '.join('?' * len(COLUMNS))}) "
-    "ON CONFLICT (backend) DO UPDATE SET "
-    + ", ".join(f"{c} = excluded.{c}" for c in COLUMNS if c != "backend")
-)
+    def values(self) -> list[Any]:
+        return [getattr(self, name) for name in table.COLUMNS]
 
 
-class Economics:
-    def __init__(self, gateway: Gateway, clock: Callable[[], float] = time.time) -> None:
-        self.gw = gateway
+assert tuple(f.name for f in fields(Counters)) == table.COLUMNS, "the store's columns"
+
+
+class Economics(Generic[P]):
+    def __init__(
+        self,
+        bus: Transitions[P],
+        store: Store,
+        holdings: Holdings,
+        gpu_hour_price: Callable[[], float | None],
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.store = store
+        self.holdings = holdings
+        self.gpu_hour_price = gpu_hour_price
         self.clock = clock
         self.counters: dict[str, Counters] = {}
+        self._seen: set[str] = set()  # backends whose first state has been looked at
         self._asleep_since: dict[str, float] = {}
         self._woke: set[str] = set()  # awake since the last counted sleep
         self._restored = False
         self._flushing: asyncio.Task[None] | None = None
         self._dirty = False
         self._checkpoints: asyncio.Task[None] | None = None
-        now = clock()
-        gateway.bus.subscribe(moved=self.on_transition)
-        for sup in gateway.supervisors.values():
-            self.counters[sup.id] = Counters(sup.id, now)
-            if sup.state in ASLEEP:
-                self._asleep_since[sup.id] = now
-            else:
-                self._woke.add(sup.id)
+        bus.subscribe(moved=self.on_transition)
+        self._sync(clock())
 
-    # -- footprints -----------------------------------------------------------------
+    # -- the config in force --------------------------------------------------------
 
     def footprint(self, backend: str) -> int:
         """Bytes the backend declares in GPU pools (what its sleep hands back)."""
-        tenancy = self.gw.residency.tenancies.get(backend)
-        if tenancy is None:
-            return 0
-        return sum(v for pool, v in tenancy.usage.items() if pool.startswith(GPU_PREFIX))
+        holding = self.holdings.tenancies.get(backend)
+        return 0 if holding is None else gpu_bytes(holding.usage)
 
     def gpu_capacity(self) -> int:
-        return sum(
-            capacity
-            for server in self.gw.config.servers.values()
-            for pool, capacity in server.pools.items()
-            if pool.startswith(GPU_PREFIX)
-        )
+        return sum(gpu_bytes(server.pools) for server in self.holdings.servers.values())
+
+    def _sync(self, now: float) -> Mapping[str, Holding]:
+        """Give every backend of the current config its counters (a reload may have added
+        some: they start asleep or awake as they are now); stop the clock of removed ones."""
+        current = self.holdings.tenancies
+        for backend, holding in current.items():
+            if backend not in self._seen:
+                self._first_seen(backend, holding.supervisor.state, now)
+        for backend in (self._seen | self._asleep_since.keys() | self._woke) - current.keys():
+            self._fold(backend, now)
+            self._asleep_since.pop(backend, None)
+            self._woke.discard(backend)
+            self._seen.discard(backend)
+        return current
+
+    def _first_seen(self, backend: str, state: State, now: float) -> None:
+        self._seen.add(backend)
+        self.counters.setdefault(backend, Counters(backend, now))
+        if backend in self._asleep_since or backend in self._woke:
+            return  # its transitions were heard before the reload made it current
+        if state in ASLEEP:
+            self._asleep_since[backend] = now
+        else:
+            self._woke.add(backend)
 
     # -- the listener (synchronous, memory only) ------------------------------------
 
-    def on_transition(self, sup: Supervisor, old: State, new: State) -> None:
+    def on_transition(self, sup: Process, old: State, new: State) -> None:
         now = self.clock()
+        if sup.id not in self._seen and sup.id in self.holdings.tenancies:
+            self._first_seen(sup.id, old, now)  # as it was before this move
+        self._sync(now)
         c = self.counters.setdefault(sup.id, Counters(sup.id, now))
         if old in ASLEEP and new not in ASLEEP:
             self._fold(sup.id, now)
@@ -143,13 +216,11 @@ class Economics:
 
     async def start(self) -> None:
         """Once the store is open: add earlier runs' counters, then checkpoint regularly."""
-        rows = await self.gw.store.query(f"SELECT {', '.join(COLUMNS)} FROM economics")
         now = self.clock()
-        for row in rows:
-            stored = dict(row)
-            self.counters.setdefault(stored["backend"], Counters(stored["backend"], now)).merge(
-                stored
-            )
+        self._sync(now)
+        for stored in await table.read(self.store):
+            backend = stored["backend"]
+            self.counters.setdefault(backend, Counters(backend, now)).merge(stored)
         self._restored = True
         await self.flush()
         self._checkpoints = asyncio.create_task(self._checkpoint_loop())
@@ -167,11 +238,11 @@ class Economics:
 
     async def flush(self) -> None:
         now = self.clock()
+        self._sync(now)
         for backend in list(self._asleep_since):
             self._fold(backend, now)
         self._dirty = False
-        rows = [[getattr(c, name) for name in COLUMNS] for c in self.counters.values()]
-        await self.gw.store.execute_many(UPSERT, rows)
+        await table.write(self.store, [c.values() for c in self.counters.values()])
 
     def _schedule_flush(self) -> None:
         self._dirty = True
@@ -199,11 +270,16 @@ class Economics:
     # -- the view -------------------------------------------------------------------
 
     def view(self) -> dict[str, Any]:
+        """The ledger now (times in unix seconds; the service layer formats them): one row
+        per backend of the config in force."""
         now = self.clock()
+        current = self._sync(now)
         capacity = self.gpu_capacity()
-        rows = []
-        for backend, c in sorted(self.counters.items()):
-            open_seconds = now - self._asleep_since[backend] if backend in self._asleep_since else 0
+        rows: list[dict[str, Any]] = []
+        for backend in sorted(current):
+            c = self.counters[backend]
+            since = self._asleep_since.get(backend)
+            open_seconds = max(0.0, now - since) if since is not None else 0.0
             footprint = self.footprint(backend)
             gpu_hours = c.gpu_hours
             if capacity and open_seconds:
@@ -211,10 +287,10 @@ class Economics:
             rows.append(
                 {
                     "backend": backend,
-                    "asleep_now": backend in self._asleep_since,
+                    "asleep_now": since is not None,
                     "wakes": c.wakes,
                     "sleeps": c.sleeps,
-                    "asleep_seconds": c.asleep_seconds + max(0.0, open_seconds),
+                    "asleep_seconds": c.asleep_seconds + open_seconds,
                     "wake_count": c.wake_count,
                     "wake_seconds_last": c.wake_seconds_last,
                     "wake_seconds_avg": (
@@ -226,11 +302,11 @@ class Economics:
                     "first_seen": c.first_seen,
                 }
             )
-        total = sum(r["gpu_hours"] for r in rows)
-        price = self.gw.config.ledger.gpu_hour_price
+        total = sum(float(r["gpu_hours"]) for r in rows)
+        price = self.gpu_hour_price()
         return {
             "rows": rows,
-            "since": min((c.first_seen for c in self.counters.values()), default=now),
+            "since": min((float(r["first_seen"]) for r in rows), default=now),
             "gpu_capacity": capacity,
             "gpu_hours": total,
             "gpu_hour_price": price,

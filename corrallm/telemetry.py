@@ -1,0 +1,98 @@
+"""Where what happened goes (SPEC §9 C1, C3, C6, §10 P4): a finished request's cost, spend
+and activity row, metrics and usage event; each lifecycle transition's log line, metric,
+event and load-energy charge; the admission load the live views draw.
+
+All of it is memory only (rows are batched by the activity writer), so it is safe on the
+request path and inside transition listeners.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+from corrallm.cost.ledger import Ledger, Visit
+from corrallm.events import EventBus
+from corrallm.lifecycle.state import State
+from corrallm.lifecycle.supervisor import Supervisor
+from corrallm.lifecycle.transitions import Transitions
+from corrallm.metrics import Metrics
+from corrallm.scheduler.admission import Admission
+
+log = logging.getLogger("corrallm.lifecycle")
+
+
+class Telemetry:
+    def __init__(
+        self,
+        ledger: Ledger,
+        metrics: Metrics,
+        events: EventBus,
+        admission: Callable[[], Admission],
+        models_of: Callable[[Supervisor], list[str]],
+        route_ids: Callable[[], list[str]],
+    ) -> None:
+        self.ledger, self.metrics, self.events = ledger, metrics, events
+        self._admission, self._models_of, self._route_ids = admission, models_of, route_ids
+
+    def subscribe(self, bus: Transitions[Supervisor]) -> None:
+        bus.subscribe(moved=self._transition, line=self._line)
+
+    def settle(self, visit: Visit) -> None:
+        """A request is over: its cost, spend and activity row (no I/O: rows are batched)."""
+        price = self.ledger.settle(visit)
+        self.metrics.visit(visit, price.cost_usd, price.energy_wh)
+        if self.events.subscribers:
+            m = visit.metered
+            self.events.publish(
+                "usage",
+                {
+                    "key": visit.key,
+                    "group": visit.group,
+                    "model": visit.model,
+                    "backend": visit.backend_id,
+                    "status": visit.status,
+                    "prompt_tokens": m.prompt_tokens if m else 0,
+                    "completion_tokens": m.completion_tokens if m else 0,
+                    "cost_usd": price.cost_usd,
+                    "energy_wh": price.energy_wh,
+                },
+            )
+
+    def publish_load(self) -> None:
+        """Admission load of every backend, for live views (sent each reaper pass)."""
+        if not self.events.subscribers:
+            return
+        core = self._admission().core
+        backends = []
+        for route_id in self._route_ids():
+            capacity, in_flight, waiting = core.load(route_id)
+            backends.append(
+                {
+                    "backend": route_id,
+                    "capacity": capacity,
+                    "in_flight": in_flight,
+                    "waiting": waiting,
+                }
+            )
+        self.events.publish("admission", {"backends": backends})
+
+    def _transition(self, sup: Supervisor, old: State, new: State) -> None:
+        log.info("backend=%s transition=%s->%s pid=%s", sup.id, old, new, sup.pid)
+        if old is State.STARTING and new is State.READY and sup.last_load_seconds is not None:
+            # C1: a finished start costs its load energy, charged to whoever caused it.
+            self.ledger.load(sup.spec, sup.id, sup.last_load_seconds, sup.started_for)
+        self.metrics.transition(sup, old, new)
+        self.events.publish(
+            "lifecycle",
+            {
+                "backend": sup.id,
+                "models": self._models_of(sup),
+                "old": str(old),
+                "new": str(new),
+                "pid": sup.pid,
+            },
+        )
+
+    def _line(self, backend: str, text: str) -> None:
+        self.events.publish("log", {"backend": backend, "line": text})

@@ -1,0 +1,145 @@
+"""What the config makes of the gateway (SPEC §2, §8, §10 P6): served models and their
+routes, the supervisor of each process, what each process asks of the memory pools, what
+a pause stops, and which lane a key belongs to.
+
+`build()` derives all of it from a config in one pass. A config reload builds a new
+`Topology` and the gateway swaps it in as a whole; the supervisor of a backend whose spec
+is unchanged is carried over (so its process keeps serving), every other supervisor is
+new. Making a supervisor is the caller's (`make`), so this module does no I/O and the
+long-lived owners (admission, residency, pauses, the ledger) stay outside it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+
+from corrallm.config import Config, backend_id
+from corrallm.config.schema import Model, PriorityGroup, ProcessSpec
+from corrallm.lifecycle.addresses import resolve_url
+from corrallm.lifecycle.pauses import Kind, Pausable
+from corrallm.lifecycle.remote import RemoteEndpoint
+from corrallm.lifecycle.supervisor import Supervisor
+from corrallm.residency.manager import Tenancy
+from corrallm.routing.router import Endpoint, Route, ServedModel
+
+EVICT_COSTS = ["low", "medium", "high"]
+
+# (backend id, its spec) -> a new supervisor for it
+MakeSupervisor = Callable[[str, ProcessSpec], Supervisor]
+
+
+@dataclass(frozen=True)
+class Caller:
+    key: str | None
+    group_name: str
+    group: PriorityGroup | None
+    known: bool  # the key is configured in `keys`: the caller has a lane of its own
+
+
+@dataclass
+class Topology:
+    config: Config
+    supervisors: dict[str, Supervisor] = field(default_factory=dict)  # every process
+    extensions: dict[str, Supervisor] = field(default_factory=dict)
+    routes: dict[str, Route] = field(default_factory=dict)
+    models: dict[str, ServedModel] = field(default_factory=dict)  # by name and by alias
+    served: list[ServedModel] = field(default_factory=list)  # each once, in config order
+    tenancies: list[Tenancy] = field(default_factory=list)
+
+    def caller(self, key: str | None) -> Caller:
+        """S1: the caller's lane, from its key (unknown and missing keys: the default)."""
+        lane = self.config.keys.get(key) if key else None
+        group_name = lane or self.config.scheduler.default_group
+        return Caller(key, group_name, self.config.priority_groups.get(group_name), bool(lane))
+
+    def hosted_by(self, extension: str) -> list[Model]:
+        return [
+            m
+            for m in self.config.models.values()
+            if any(b.extension == extension for b in m.backends)
+        ]
+
+    def own_supervisors(self, served: ServedModel) -> list[Supervisor]:
+        """The processes a model alone owns (not the extensions it shares with others)."""
+        return [
+            r.endpoint
+            for r in served.routes
+            if isinstance(r.endpoint, Supervisor) and not r.config.extension
+        ]
+
+    def pausables(self) -> dict[tuple[Kind, str], Pausable]:
+        targets: dict[tuple[Kind, str], Pausable] = {}
+        for served in self.served:
+            targets[("model", served.name)] = Pausable(
+                "model", served.name, self.own_supervisors(served), served.config.persistent
+            )
+        for name, sup in self.extensions.items():
+            pinned = any(m.persistent for m in self.hosted_by(name))
+            targets[("extension", name)] = Pausable("extension", name, [sup], pinned)
+        return targets
+
+    def models_of(self, sup: Supervisor) -> list[str]:
+        return sorted({r.model for r in self.routes.values() if r.endpoint is sup})
+
+
+def build(
+    config: Config, make: MakeSupervisor, previous: Mapping[str, Supervisor] | None = None
+) -> Topology:
+    """The topology of `config`, keeping the supervisor of every unchanged process."""
+    kept = previous or {}
+    topo = Topology(config)
+
+    def supervisor(sid: str, spec: ProcessSpec) -> Supervisor:
+        sup = kept.get(sid)
+        if sup is None or sup.spec != spec or sup.retired:
+            sup = make(sid, spec)
+        topo.supervisors[sid] = sup
+        return sup
+
+    for name, spec in config.extensions.items():
+        topo.extensions[name] = supervisor(f"extension:{name}", spec)
+    for name, model in config.models.items():
+        routes = []
+        for index, backend in enumerate(model.backends):
+            bid = backend_id(name, index, backend)
+            endpoint: Endpoint
+            if backend.extension:
+                endpoint = topo.extensions[backend.extension]
+            elif backend.cmd or backend.supervision in ("docker", "systemd"):
+                endpoint = supervisor(bid, backend)
+                topo.tenancies.append(_tenancy(config, endpoint, backend, [model]))
+            else:
+                assert backend.proxy is not None, "validated config"
+                endpoint = RemoteEndpoint(bid, resolve_url(backend.proxy, None))
+            route = Route(bid, name, backend, endpoint)
+            routes.append(route)
+            topo.routes[bid] = route
+        served = ServedModel(name, model, routes)
+        topo.served.append(served)
+        for key in (name, *model.aliases):
+            topo.models[key] = served
+    for name, sup in topo.extensions.items():
+        topo.tenancies.append(_tenancy(config, sup, config.extensions[name], topo.hosted_by(name)))
+    return topo
+
+
+def _tenancy(config: Config, sup: Supervisor, spec: ProcessSpec, models: list[Model]) -> Tenancy:
+    """What the process asks of its server's pools (R1) and how it idles out (R4); pinned if
+    any model it serves is. Without a server or ramUsage it takes no room but still expires
+    by its sticky.ttl."""
+    server = spec.server or (next(iter(config.servers)) if config.servers else None)
+    if not spec.ram_usage:
+        server = None
+    stickies = [m.sticky for m in models]
+    ttls = [s.ttl for s in stickies if s is not None and s.ttl is not None]
+    costs = [s.evict_cost for s in stickies if s is not None]
+    return Tenancy(
+        sup,
+        server,
+        dict(spec.ram_usage),
+        pinned=any(m.persistent for m in models),
+        # An extension expires only once every model it hosts would.
+        ttl=max(ttls) if ttls and len(ttls) == len(models) else None,
+        evict_cost=max(costs, key=EVICT_COSTS.index, default="medium"),
+    )

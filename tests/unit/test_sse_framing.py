@@ -1,0 +1,246 @@
+"""SSE framing on the relay (SPEC §6 S4, §9 C2): an event ends at any blank line, whatever
+the line ends (LF, CRLF, lone CR, mixed). Pure functions first, then `forward` relaying
+from a raw loopback backend, each event released only once the previous one reached the
+client (a condition, never a sleep)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import orjson
+import pytest
+
+from corrallm.proxy.client import Client
+from corrallm.proxy.forward import DisconnectWatch, forward
+from corrallm.proxy.metering import Meter, count_events, split_events
+
+EVENT = b'data: {"choices":[{"delta":{"content":"x"}}]}'
+
+
+@pytest.mark.parametrize(
+    ("data", "whole", "rest"),
+    [
+        (b"data: a\n\ndata: b\n\ndata: c", b"data: a\n\ndata: b\n\n", b"data: c"),
+        (
+            b"data: a\r\n\r\ndata: b\r\n\r\ndata: c\r\n",
+            b"data: a\r\n\r\ndata: b\r\n\r\n",
+            b"data: c\r\n",
+        ),
+        (b"data: a\r\rdata: b", b"data: a\r\r", b"data: b"),
+        (b"data: a\r\n\ndata: b\n\r\ndata: c", b"data: a\r\n\ndata: b\n\r\n", b"data: c"),
+        (b"data: a\n\rdata: b", b"data: a\n\r", b"data: b"),
+        (b"data: a\r\n", b"", b"data: a\r\n"),  # one line end is not a blank line
+        (b"data: a\r\ndata: b\r\n", b"", b"data: a\r\ndata: b\r\n"),
+        (b"data: a", b"", b"data: a"),
+        # A CR last: cut after it; the LF of its CRLF, if any, opens the next piece.
+        (b"data: a\r\n\r", b"data: a\r\n\r", b""),
+    ],
+)
+def test_S4_split_events_ends_an_event_at_any_blank_line(
+    data: bytes, whole: bytes, rest: bytes
+) -> None:
+    assert split_events(data) == (whole, rest)
+
+
+def test_S4_split_events_keeps_every_byte_across_any_chunking() -> None:
+    stream = b"data: 1\r\n\r\ndata: 2\n\ndata: 3\r\rdata: 4\r\n\ndata: [DONE]\r\n\r\n"
+    for size in range(1, 12):
+        out, pending = [], b""
+        for i in range(0, len(stream), size):
+            whole, pending = split_events(pending + stream[i : i + size])
+            out.append(whole)
+        assert b"".join(out) + pending == stream
+        # Cut after a CR that ends a read, the LF of its CRLF waits for the next piece.
+        assert pending in (b"", b"\n")
+
+
+@pytest.mark.parametrize(
+    ("data", "events"),
+    [
+        (b"data: a\n\ndata: b\n\n", 2),
+        (b"data: a\r\n\r\ndata: b\r\n\r\n", 2),
+        (b"data: a\r\rdata: b\r\r", 2),
+        (b"data: a\r\n\ndata: b\n\r\n", 2),
+        (b"data: a\r\n", 0),
+    ],
+)
+def test_C2_events_are_counted_whatever_the_line_ends(data: bytes, events: int) -> None:
+    assert count_events(data) == events
+
+
+def test_C2_usage_is_read_and_hidden_on_a_crlf_framed_stream() -> None:
+    usage = {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}
+    chunk = (
+        b'data: {"choices":[{"delta":{"content":"hi"}}],"usage":null}\r\n\r\n'
+        + b'data: {"choices":[],"usage":'
+        + orjson.dumps(usage)
+        + b"}\r\n\r\ndata: [DONE]\r\n\r\n"
+    )
+    meter = Meter(strip_usage=True)
+    meter.start(200, sse=True)
+    out = meter.chunk(chunk)
+    assert meter.usage == usage and meter.events == 3
+    assert out == b'data: {"choices":[{"delta":{"content":"hi"}}]}\r\n\r\ndata: [DONE]\r\n\r\n'
+    assert not meter.metered(10).estimated
+
+
+# --- forward, from a raw loopback backend ----------------------------------------------------
+
+Script = Callable[[asyncio.StreamWriter, "Relayed"], Awaitable[None]]
+SSE_HEAD = (
+    b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
+)
+
+
+def chunk(data: bytes) -> bytes:
+    return b"%x\r\n%s\r\n" % (len(data), data)
+
+
+class Relayed:
+    """What `forward` sent to its client, with a way to wait for a condition on it."""
+
+    def __init__(self) -> None:
+        self.messages: list[dict[str, Any]] = []
+        self.changed = asyncio.Condition()
+
+    async def send(self, message: dict[str, Any]) -> None:
+        async with self.changed:
+            self.messages.append(message)
+            self.changed.notify_all()
+
+    @property
+    def body(self) -> bytes:
+        return b"".join(m.get("body", b"") for m in self.messages[1:])
+
+    async def until(self, condition: Callable[[], bool], within: float = 5.0) -> None:
+        async def wait() -> None:
+            async with self.changed:
+                await self.changed.wait_for(condition)
+
+        await asyncio.wait_for(wait(), within)
+
+
+class Backend:
+    """Answers one request by its script; notes when the script ended or the proxy hung up
+    (which cancels a script still running, as a backend stops on a client's cancel)."""
+
+    def __init__(self, script: Script, relayed: Relayed) -> None:
+        self.script, self.relayed = script, relayed
+        self.closed = asyncio.Event()  # the proxy closed the connection
+        self.over = asyncio.Event()  # the script ended, or the proxy hung up
+
+    async def __aenter__(self) -> Backend:
+        async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            head = await reader.readuntil(b"\r\n\r\n")
+            length = int(head.lower().split(b"content-length:")[1].split(b"\r\n")[0])
+            await reader.readexactly(length)
+            script = asyncio.ensure_future(self.script(writer, self.relayed))
+            eof = asyncio.ensure_future(reader.read())
+            try:
+                await asyncio.wait((script, eof), return_when=asyncio.FIRST_COMPLETED)
+                self.over.set()
+                await asyncio.wait((eof,))
+                self.closed.set()
+            finally:
+                script.cancel()
+                eof.cancel()
+                await asyncio.wait((script, eof))
+                writer.close()
+
+        self.server = await asyncio.start_server(serve, "127.0.0.1", 0)
+        self.url = f"http://127.0.0.1:{self.server.sockets[0].getsockname()[1]}/v1/chat/completions"
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.server.close()
+
+
+@pytest.fixture
+async def client() -> AsyncIterator[Client]:
+    c = Client()
+    yield c
+    await c.close()
+
+
+async def relay(
+    client: Client, script: Script, idle_timeout: float | None = None
+) -> tuple[int, Relayed, Meter]:
+    relayed = Relayed()
+    meter = Meter()
+    never: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
+
+    async def receive() -> dict[str, Any]:
+        return await never
+
+    async with Backend(script, relayed) as backend:
+        watch = DisconnectWatch(receive)
+        try:
+            scope = {"method": "POST", "headers": []}
+            status = await asyncio.wait_for(
+                forward(
+                    client,
+                    scope,
+                    relayed.send,
+                    backend.url,
+                    b"{}",
+                    [],
+                    [],
+                    watch,
+                    "chat#0",
+                    None,
+                    meter,
+                    idle_timeout=idle_timeout,
+                ),
+                10,
+            )
+        finally:
+            watch.close()
+        await asyncio.wait_for(backend.over.wait(), 5)
+    return status, relayed, meter
+
+
+def data_events(body: bytes) -> list[bytes]:
+    return [line[6:] for line in body.replace(b"\r", b"\n").split(b"\n") if line]
+
+
+@pytest.mark.parametrize("end", [b"\r\n", b"\n", b"\r"], ids=["crlf", "lf", "cr"])
+async def test_S4_each_event_reaches_the_client_before_the_next_is_sent(
+    client: Client, end: bytes
+) -> None:
+    async def script(writer: asyncio.StreamWriter, relayed: Relayed) -> None:
+        writer.write(SSE_HEAD)
+        for i in range(1, 5):
+            writer.write(chunk(EVENT + end + end))
+            await writer.drain()
+            # The next event is sent only once this one reached the client.
+            await relayed.until(lambda i=i: relayed.body.count(EVENT) == i)
+        writer.write(chunk(b"data: [DONE]" + end + end) + chunk(b""))
+        await writer.drain()
+
+    status, relayed, meter = await relay(client, script)
+    assert status == 200 and meter.error is None
+    assert data_events(relayed.body) == [EVENT[6:]] * 4 + [b"[DONE]"]
+    assert meter.events == 5
+
+
+async def test_fault_stream_broken_by_crash_drops_the_torn_event_and_ends_with_done(
+    client: Client,
+) -> None:
+    async def script(writer: asyncio.StreamWriter, relayed: Relayed) -> None:
+        writer.write(SSE_HEAD + chunk(EVENT + b"\r\n\r\n" + EVENT[:20]))
+        await writer.drain()
+        await relayed.until(lambda: EVENT in relayed.body)
+        writer.transport.abort()  # the backend dies mid-event
+
+    status, relayed, meter = await relay(client, script)
+    events = data_events(relayed.body)
+    assert events[0] == EVENT[6:] and events[-1] == b"[DONE]" and len(events) == 3
+    error = orjson.loads(events[1])["error"]
+    assert (error["code"], error["type"]) == ("backend_error", "api_error")
+    assert "chat#0" in error["message"]
+    assert relayed.body.endswith(b"data: [DONE]\n\n")  # nothing after [DONE]
+    assert relayed.messages[-1] == {"type": "http.response.body", "body": b""}
+    assert status == 502 and meter.status == 502
+    assert meter.error is not None and meter.error.startswith("backend_error: ")

@@ -1,0 +1,445 @@
+"""SPEC §4 L2-L6, §10 P1: the supervisor replaying scripted histories, like honcho's
+tests/test_manager.py. The process manager, the health probe, the clock and the sleep are
+fakes: no process is started and no test sleeps beyond event-loop turns.
+
+Each test is a sequence of events and one equality assert on the history: the supervisor's
+transitions (`stopped->starting`), the calls it made to the process manager (`spawn 101`,
+`stop_group 101`) and the test's own marks, in the order they happened.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from collections.abc import AsyncIterator, Callable, Mapping
+from pathlib import Path
+
+import pytest
+
+from corrallm.config.schema import Backend
+from corrallm.lifecycle.pidrecords import PidRecord
+from corrallm.lifecycle.process import Spawned
+from corrallm.lifecycle.state import State
+from corrallm.lifecycle.supervisor import HEALTH_POLL_SECONDS, Supervisor
+from corrallm.lifecycle.transitions import Transitions
+
+CMD = "llama-server --port ${PORT}"
+
+
+class Clock:
+    """Virtual time: `sleep` moves it on at once and yields one event-loop turn."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+    async def sleep(self, seconds: float) -> None:
+        self.now += seconds
+        await asyncio.sleep(0)
+
+
+class Probe:
+    """The health check: answers `status` (None: connection refused)."""
+
+    def __init__(self) -> None:
+        self.status: int | None = None
+        self.asked = 0
+
+    async def __call__(self, url: str) -> int | None:
+        self.asked += 1
+        await asyncio.sleep(0)
+        return self.status
+
+
+class FakeProcesses:
+    """A scripted process manager: processes live until the test ends them or a group is
+    stopped; what they print goes to the output file the supervisor names."""
+
+    def __init__(self, history: list[str]) -> None:
+        self.history = history
+        self.running: dict[int, Spawned] = {}
+        self.exit_at_once: int | None = None  # every spawn exits at once with this code
+        self.output: Path | None = None
+        self._pids = itertools.count(101)
+
+    async def spawn(
+        self, argv: list[str], env: Mapping[str, str], cwd: str | None, output: Path
+    ) -> Spawned:
+        pid = next(self._pids)
+        proc = Spawned(pid, pid, float(pid), asyncio.get_running_loop().create_future())
+        self.history.append(f"spawn {pid}")
+        self.running[pid] = proc
+        self.output = output
+        if self.exit_at_once is not None:
+            self.exit(pid, self.exit_at_once, "error: failed to load model 'm.gguf'")
+        return proc
+
+    async def run(
+        self,
+        argv: list[str],
+        env: Mapping[str, str],
+        cwd: str | None,
+        on_line: Callable[[str], None],
+        within: float,
+    ) -> int | None:
+        self.history.append("run " + " ".join(argv))
+        return 0
+
+    def adopt(self, pid: int, started: float) -> Spawned:
+        self.history.append(f"adopt {pid}")
+        proc = Spawned(pid, pid, started, asyncio.get_running_loop().create_future())
+        self.running[pid] = proc
+        return proc
+
+    def alive(self, pid: int, started: float) -> bool:
+        return pid in self.running or pid == 4242
+
+    def group_alive(self, pgid: int) -> bool:
+        return pgid in self.running
+
+    async def stop_group(self, pgid: int, exited: asyncio.Future[int], grace: float) -> str:
+        self.history.append(f"stop_group {pgid}")
+        self.running.pop(pgid, None)
+        if not exited.done():
+            exited.set_result(-15)
+        await asyncio.sleep(0)
+        return "terminated"
+
+    def print(self, *lines: str) -> None:
+        assert self.output is not None
+        with self.output.open("a") as out:
+            out.writelines(line + "\n" for line in lines)
+
+    def exit(self, pid: int, code: int, *last_words: str) -> None:
+        self.print(*last_words)
+        self.running.pop(pid).exited.set_result(code)
+
+
+class World:
+    def __init__(self, home: Path) -> None:
+        self.home = home
+        self.history: list[str] = []
+        self.clock = Clock()
+        self.probe = Probe()
+        self.processes = FakeProcesses(self.history)
+        self.bus = Transitions()
+        self.bus.subscribe(moved=lambda _, old, new: self.history.append(f"{old}->{new}"))
+        self.made: list[Supervisor] = []
+
+    def supervisor(self, health_timeout: float = 120.0, **spec: object) -> Supervisor:
+        sup = Supervisor(
+            f"m#{len(self.made)}",
+            Backend(cmd=CMD, proxy="5800", **spec),
+            self.probe,
+            self.home,
+            health_timeout,
+            clock=self.clock,
+            bus=self.bus,
+            processes=self.processes,
+            sleep=self.clock.sleep,
+        )
+        self.made.append(sup)
+        return sup
+
+    def mark(self, what: str) -> None:
+        self.history.append(what)
+
+
+@pytest.fixture
+async def world(tmp_path: Path) -> AsyncIterator[World]:
+    w = World(tmp_path)
+    yield w
+    for sup in w.made:
+        await sup.stop()
+
+
+async def until(condition: Callable[[], object], turns: int = 1000) -> None:
+    """Let the event loop run until `condition` holds (a deadline counted in turns)."""
+    for _ in range(turns):
+        if condition():
+            return
+        await asyncio.sleep(0)
+    raise AssertionError(f"not reached within {turns} event-loop turns: {condition}")
+
+
+async def failure(awaitable: asyncio.Future[None]) -> str:
+    """The type and message a caller waiting on `awaitable` was given."""
+    try:
+        await awaitable
+    except Exception as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return "no error"
+
+
+async def test_L2_concurrent_cold_starts_coalesce_into_one_spawn(world: World) -> None:
+    sup = world.supervisor()
+    world.probe.status = 200
+    await asyncio.gather(*(sup.ensure_ready() for _ in range(5)))
+    assert world.history == ["stopped->starting", "spawn 101", "starting->ready"]
+
+
+async def test_L3_exit_while_starting_fails_every_waiter_at_once_with_the_log_tail(
+    world: World,
+) -> None:
+    sup = world.supervisor()
+    waiters = [asyncio.ensure_future(sup.ensure_ready()) for _ in range(3)]
+    await until(lambda: world.processes.running)
+    exited_at = world.clock()
+    world.processes.exit(101, 3, "error: failed to load model 'm.gguf'")
+    errors = {await failure(w) for w in waiters}
+    waited = world.clock() - exited_at
+    (message,) = errors  # every waiter got the same answer
+    assert (
+        world.history,
+        waited <= HEALTH_POLL_SECONDS,  # at once: not at the 120 s health timeout
+        message.split(". ")[0],
+        "retries in 1.0s" in message,
+        "\nerror: failed to load model 'm.gguf'\n" in message,  # its last words
+    ) == (
+        ["stopped->starting", "spawn 101", "stop_group 101", "starting->failed"],
+        True,
+        "BackendFailed: backend 'm#0' failed to start: exited with code 3 while starting",
+        True,
+        True,
+    )
+
+
+async def test_L3_failed_starts_back_off_before_the_next_try(world: World) -> None:
+    sup = world.supervisor()
+    world.processes.exit_at_once = 3
+    began = world.clock()
+    for at in (0.0, 0.5, 1.0, 2.5, 3.0):  # back-off: 1 s after the first failure, then 2 s
+        world.clock.now = began + at
+        world.mark(f"request at {at}s")
+        message = await failure(asyncio.ensure_future(sup.ensure_ready()))
+        world.mark(message[message.index("retries in") : message.index("s.")])
+    assert world.history == [
+        "request at 0.0s",
+        "stopped->starting",
+        "spawn 101",
+        "stop_group 101",
+        "starting->failed",
+        "retries in 1.0",
+        "request at 0.5s",
+        "retries in 0.5",
+        "request at 1.0s",
+        "failed->starting",
+        "spawn 102",
+        "stop_group 102",
+        "starting->failed",
+        "retries in 2.0",
+        "request at 2.5s",
+        "retries in 0.5",
+        "request at 3.0s",
+        "failed->starting",
+        "spawn 103",
+        "stop_group 103",
+        "starting->failed",
+        "retries in 4.0",
+    ]
+
+
+async def test_L3_start_exceeding_the_health_timeout_is_killed_and_fails(world: World) -> None:
+    sup = world.supervisor(health_timeout=1.0)
+    began = world.clock()
+    message = await failure(asyncio.ensure_future(sup.ensure_ready()))
+    assert (
+        world.history,
+        round(world.clock() - began, 6),
+        world.processes.running,
+        "did not become healthy within 1s (--health-timeout)" in message,
+    ) == (
+        ["stopped->starting", "spawn 101", "stop_group 101", "starting->failed"],
+        1.0,
+        {},
+        True,
+    )
+
+
+async def test_L4_unload_while_draining_waits_for_in_flight_and_admits_no_new_request(
+    world: World,
+) -> None:
+    sup = world.supervisor()
+    world.probe.status = 200
+    await sup.ensure_ready()
+    assert sup.enter() and sup.enter()
+    unloading = asyncio.ensure_future(sup.unload())
+    await until(lambda: sup.state is State.DRAINING)
+    world.mark(f"enter while draining: {sup.enter()}")
+    sup.leave()
+    world.mark("one left")
+    for _ in range(50):  # time for a wrong stop to show
+        await asyncio.sleep(0)
+    sup.leave()
+    world.mark("last left")
+    await unloading
+    assert world.history == [
+        "stopped->starting",
+        "spawn 101",
+        "starting->ready",
+        "ready->draining",
+        "enter while draining: False",
+        "one left",
+        "last left",
+        "draining->stopping",
+        "stop_group 101",
+        "stopping->stopped",
+    ]
+
+
+async def test_L4_a_ready_process_that_exits_is_reaped_and_restarted_on_demand(
+    world: World,
+) -> None:
+    sup = world.supervisor()
+    world.probe.status = 200
+    await sup.ensure_ready()
+    world.processes.exit(101, 139)
+    await until(lambda: sup.state is State.STOPPED)
+    await sup.ensure_ready()
+    assert world.history == [
+        "stopped->starting",
+        "spawn 101",
+        "starting->ready",
+        "stop_group 101",
+        "ready->stopped",
+        "stopped->starting",
+        "spawn 102",
+        "starting->ready",
+    ]
+
+
+async def test_P1_pause_during_start_cancels_it_and_leaves_nothing_running(
+    world: World,
+) -> None:
+    sup = world.supervisor()
+    waiter = asyncio.ensure_future(sup.ensure_ready())
+    await until(lambda: world.processes.running)
+    await sup.pause()
+    world.mark(await failure(waiter))
+    world.mark(await failure(asyncio.ensure_future(sup.ensure_ready())))
+    assert (world.history, world.processes.running) == (
+        [
+            "stopped->starting",
+            "spawn 101",
+            "starting->stopping",
+            "stop_group 101",
+            "stopping->stopped",
+            "stopped->paused",
+            "BackendPaused: backend 'm#0' is paused",
+            "BackendPaused: backend 'm#0' is paused",
+        ],
+        {},
+    )
+
+
+async def test_L4_retire_of_a_starting_backend_cuts_the_start_short(world: World) -> None:
+    sup = world.supervisor()
+    waiter = asyncio.ensure_future(sup.ensure_ready())
+    await until(lambda: world.processes.running)
+    await sup.retire()
+    world.mark(await failure(waiter))
+    world.mark(await failure(asyncio.ensure_future(sup.ensure_ready())))
+    retired = "BackendRetired: backend 'm#0' was removed or replaced by a reload"
+    assert (world.history, world.processes.running) == (
+        [
+            "stopped->starting",
+            "spawn 101",
+            "starting->stopping",
+            "stop_group 101",
+            "stopping->stopped",
+            retired,
+            retired,
+        ],
+        {},
+    )
+
+
+async def test_L4_a_replacement_never_spawns_before_its_predecessor_is_gone(
+    world: World,
+) -> None:
+    sup = world.supervisor()
+    world.probe.status = 200
+    predecessor: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+    sup.follows(predecessor)
+    starting = asyncio.ensure_future(sup.ensure_ready())
+    for _ in range(50):  # however long it takes, nothing is spawned meanwhile
+        await asyncio.sleep(0)
+    world.mark("predecessor gone")
+    predecessor.set_result(None)
+    await starting
+    assert world.history == [
+        "stopped->starting",
+        "predecessor gone",
+        "spawn 101",
+        "starting->ready",
+    ]
+
+
+def record(cmd: str) -> PidRecord:
+    return PidRecord(
+        backend="m#0",
+        pid=4242,
+        pgid=4242,
+        started=42.0,
+        port=5800,
+        base_url="http://127.0.0.1:5800",
+        health_url="http://127.0.0.1:5800/health",
+        cmd=cmd,
+    )
+
+
+async def test_L5_adopt_with_a_mismatched_command_kills_the_group_and_does_not_adopt(
+    world: World,
+) -> None:
+    sup = world.supervisor()
+    world.probe.status = 200
+    sup.records.write(record("llama-server --port ${PORT} --model other.gguf"))
+    adopted = await sup.adopt(record("llama-server --port ${PORT} --model other.gguf"))
+    assert (adopted, world.history, sup.state, world.probe.asked, sup.records.all()) == (
+        False,
+        ["adopt 4242", "stop_group 4242"],
+        State.STOPPED,
+        0,
+        [],
+    )
+
+
+async def test_L5_adopt_of_a_healthy_recorded_process_follows_its_log_from_the_end(
+    world: World,
+) -> None:
+    sup = world.supervisor()
+    world.probe.status = 200
+    log = sup.logs.path
+    assert log is not None
+    log.parent.mkdir(parents=True)
+    log.write_text("before the crash of corrallm\n")
+    adopted = await sup.adopt(record(CMD))
+    world.processes.output = log
+    world.processes.print("srv  log_server_r: request: POST /v1/chat/completions 200")
+    sup.logs.catch_up()  # what the follower does every FOLLOW_SECONDS
+    assert (adopted, world.history, [line.split("] ")[-1] for line in sup.logs.tail(5)]) == (
+        True,
+        ["adopt 4242", "stopped->starting", "starting->ready"],
+        [
+            "re-adopted pid 4242 after a restart of corrallm",
+            "srv  log_server_r: request: POST /v1/chat/completions 200",
+        ],
+    )
+
+
+async def test_L6_what_the_backend_prints_while_loading_is_parsed_once_it_is_ready(
+    world: World,
+) -> None:
+    sup = world.supervisor()
+    starting = asyncio.ensure_future(sup.ensure_ready())
+    await until(lambda: world.processes.running)
+    world.processes.print("llama_context: n_ctx = 2048", "initializing slots, n_slots = 3")
+    world.probe.status = 200
+    await starting
+    assert (sup.logs.n_ctx, sup.logs.n_slots, sup.logs.tail(3)[:2]) == (
+        2048,
+        3,
+        ["llama_context: n_ctx = 2048", "initializing slots, n_slots = 3"],
+    )
