@@ -100,7 +100,9 @@ def test_S5_queue_full_and_max_wait_exceeded_are_429(gateway_factory):
 
 
 def test_S3_a_freed_slot_goes_to_the_lane_with_the_lowest_usage_per_weight(gateway_factory):
-    gw = gateway_factory(GROUPS + model("--latency", "0.3"))
+    # A second a request: long beside the jitter of starting threads and polling, so that
+    # the backlog is seen whole and the priority request arrives while it is there.
+    gw = gateway_factory(GROUPS + model("--latency", "1"))
     finished: list[str] = []
 
     def run(key: str) -> None:
@@ -113,11 +115,15 @@ def test_S3_a_freed_slot_goes_to_the_lane_with_the_lowest_usage_per_weight(gatew
     wait_for(lambda: lane(gw, "batch")["waiting"] == 5, 10, what="batch backlog")
     threads.append(in_background(run, "pkey")[0])
     wait_for(lambda: lane(gw, "priority")["waiting"] == 1, 10, what="priority queued")
+    served_before = len(finished)  # batch requests already done when it was seen queued
     for t in threads:
         t.join(30)
-    # The newly active weight-10 lane starts level with batch (idle time is not banked):
-    # it is served within the next two slots, well before the batch backlog drains.
-    assert finished.index("pkey") <= 2 and len(finished) == 7
+    # The newly active weight-10 lane starts level with batch (idle time is not banked; a
+    # tie goes to the earlier arrival): it is served within the next two slots after it
+    # arrives -- the one running then, at most one more -- well before the batch backlog
+    # drains. Counted from its arrival: the slot a batch request was given just before
+    # it came is no sign of unfairness.
+    assert len(finished) == 7 and finished.index("pkey") - served_before <= 2, finished
 
 
 def test_S4_a_victim_that_sent_nothing_is_requeued_and_its_client_only_waits(gateway_factory):
