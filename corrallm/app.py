@@ -15,6 +15,7 @@ import itertools
 import logging
 import signal
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import orjson
@@ -35,24 +36,39 @@ from corrallm.proxy.asgi import (
     send_bytes,
 )
 from corrallm.proxy.errors import ApiError, internal, not_found
-from corrallm.proxy.inference import UPLOAD_PATHS
 from corrallm.proxy.pipeline import Pipeline
 from corrallm.ui.app import Dashboard, is_dashboard_path
 
 log = logging.getLogger("corrallm.proxy")
 
 Handler = Callable[[Pipeline, Scope, Receive, Send, bytes], Awaitable[None]]
+ErrorWriter = Callable[[ApiError, Send], Awaitable[None]]
 
-INFERENCE_PATHS = frozenset(
-    {
-        "/v1/chat/completions",
-        "/v1/completions",
-        "/v1/embeddings",
-        "/v1/rerank",
-        "/rerank",
-        "/v1/audio/speech",
-    }
-)
+
+async def openai_error(error: ApiError, send: Send) -> None:
+    await error.send(send)
+
+
+@dataclass(frozen=True, slots=True)
+class Surface:
+    """A /v1 path that takes a body through the pipeline: its method, its codec's handler,
+    and how its errors are written (every error on it, 405 and 413 included)."""
+
+    method: str
+    handler: Handler
+    errors: ErrorWriter = openai_error
+
+
+SURFACES: dict[str, Surface] = {
+    "/v1/chat/completions": Surface("POST", inference.serve),
+    "/v1/completions": Surface("POST", inference.serve),
+    "/v1/embeddings": Surface("POST", inference.serve),
+    "/v1/rerank": Surface("POST", inference.serve),
+    "/rerank": Surface("POST", inference.serve),
+    "/v1/audio/speech": Surface("POST", inference.serve),
+    "/v1/audio/transcriptions": Surface("POST", audio.transcribe),
+    "/v1/audio/translations": Surface("POST", audio.transcribe),
+}
 _HEALTH = orjson.dumps({"status": "ok"})
 METRICS_CONTENT_TYPE = CONTENT_TYPE.encode()
 
@@ -84,13 +100,11 @@ class CorrallmApp:
     async def _http(self, scope: Scope, receive: Receive, send: Send) -> None:
         path: str = scope["path"]
         method: str = scope["method"]
+        surface = SURFACES.get(path)
         try:
-            if path in INFERENCE_PATHS:
-                _require(method, "POST", path)
-                await self._with_body(inference.serve, scope, receive, send)
-            elif path in UPLOAD_PATHS:
-                _require(method, "POST", path)
-                await self._with_body(audio.transcribe, scope, receive, send)
+            if surface is not None:
+                _require(method, surface.method, path)
+                await self._with_body(surface.handler, scope, receive, send)
             elif path == "/v1/capabilities":
                 _require(method, "GET", path)
                 await audio.send_capabilities(self.gateway, scope, send)
@@ -116,20 +130,21 @@ class CorrallmApp:
             else:
                 raise not_found(
                     f"No endpoint {method} {path}. corrallm serves POST "
-                    + ", ".join(sorted(INFERENCE_PATHS | UPLOAD_PATHS))
+                    + ", ".join(sorted(SURFACES))
                     + ", GET /v1/models, GET /v1/capabilities and /upstream/<model>/<path>."
                 )
         except ApiError as exc:
-            await exc.send(send)
+            await (surface.errors if surface is not None else openai_error)(exc, send)
         except ClientGone:
             return
         except Exception:
             request_id = next(self._ids)
             log.exception("request=%s %s %s failed", request_id, method, path)
-            await internal(
+            error = internal(
                 f"corrallm hit an unexpected error (request {request_id}); "
                 "the gateway log has the details."
-            ).send(send)
+            )
+            await (surface.errors if surface is not None else openai_error)(error, send)
 
     async def _management_api(self, scope: Scope, receive: Receive, send: Send) -> None:
         """P3: the whole /api subtree is behind the admin token, checked before routing."""

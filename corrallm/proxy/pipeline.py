@@ -46,6 +46,7 @@ class Inbound:
     size: int = 0  # bytes in
     mode: str | None = None  # the STT surface it came in on, gated by the model's modes (U3)
     limit: int | None = None  # the completion tokens it asks for, for the spend estimate
+    session: str | None = None  # the conversation it belongs to, for affinity (K6)
 
 
 @dataclass(slots=True)
@@ -181,7 +182,9 @@ class Pipeline:
         admission = gw.admission
         ticket: Ticket | None = None
         try:
-            ticket = await admission.acquire(caller.group_name, caller.group, tiers)
+            ticket = await admission.acquire(
+                caller.group_name, caller.group, tiers, inbound.session
+            )
             while True:
                 if gw.stale(ticket.route):
                     # P6: a reload removed or replaced the backend while this request
@@ -191,7 +194,9 @@ class Pipeline:
                     ticket = None
                     served = self.lookup(served.name, reloaded=True)
                     tiers = served.tiers_for(caller.group, gw.placeable)
-                    ticket = await admission.acquire(caller.group_name, caller.group, tiers)
+                    ticket = await admission.acquire(
+                        caller.group_name, caller.group, tiers, inbound.session
+                    )
                     continue
                 visit.admitted_mono = visit.admitted_mono or time.monotonic()
                 visit.backend, visit.backend_id = ticket.route.config, ticket.route.id

@@ -95,7 +95,11 @@ class Admission:
     # -- what a request does ---------------------------------------------------------
 
     async def acquire(
-        self, group_name: str, group: PriorityGroup | None, tiers: Sequence[Sequence[Route]]
+        self,
+        group_name: str,
+        group: PriorityGroup | None,
+        tiers: Sequence[Sequence[Route]],
+        affinity: str | None = None,
     ) -> Ticket:
         request = Request(next(self._ids), group_name, self.clock())
         policy = self._policy(group, tiers[0][0].config.type)
