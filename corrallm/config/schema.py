@@ -164,6 +164,9 @@ class ProcessSpec(Section):
         return data
 
 
+Api = Literal["openai", "anthropic", "responses"]
+
+
 class BackendTimeouts(Section):
     """A backend's own timeouts; each one unset falls back to the top-level `timeouts`."""
 
@@ -186,6 +189,11 @@ class Backend(ProcessSpec):
     diarization: bool = False
     extension: str | None = None
     timeouts: BackendTimeouts = Field(default_factory=BackendTimeouts)
+    apis: list[Api] = Field(
+        default_factory=lambda: ["openai"],
+        description="dialects the backend speaks natively (SPEC §16 K1/K2); others are "
+        "translated to and from Chat Completions",
+    )
 
 
 class Extension(ProcessSpec):
