@@ -6,7 +6,8 @@ Builds the pure scheduling core (`corrallm.scheduler.core.Scheduler`) with 50 gr
 varied weights and share currencies, fills its backends, queues 10,000 more requests,
 then times, one call at a time, with the queue held at its size:
 
-- `submit` of a request that has to queue (every slot is taken),
+- `submit` of a request that has to queue (every slot is taken), also with a preferred
+  backend picked at random (affinity, SPEC §16 K6),
 - `release` of a running request, which admits the next one by weighted fairshare,
 - `withdraw` of a queued request picked at random (a client leaving).
 
@@ -112,15 +113,18 @@ class Bench:
         if last != rid:
             self.queued[at], self.position[last] = last, at
 
-    def submit(self) -> int:
+    def submit(self, prefer: str | None = None) -> int:
         request = self.request()
         now = self.tick()
         t0 = time.perf_counter_ns()
-        decision = self.core.submit(request, self.tiers, QUEUE, now)
+        decision = self.core.submit(request, self.tiers, QUEUE, now, prefer)
         elapsed = time.perf_counter_ns() - t0
         assert isinstance(decision, Queued), decision
         self.core.withdraw(request.id, self.tick())
         return elapsed
+
+    def submit_preferring(self) -> int:
+        return self.submit(self.rng.choice(self.tiers[0]))
 
     def release(self) -> int:
         rid = self.running.pop(self.rng.randrange(len(self.running)))
@@ -176,6 +180,7 @@ def main(argv: list[str]) -> int:
         gc.freeze()  # the setup's objects are not rescanned by every collection
         for name, op in (
             ("submit (queues)", bench.submit),
+            ("submit, preferring one (K6)", bench.submit_preferring),
             ("release (admits next)", bench.release),
             ("withdraw (queued)", bench.withdraw),
         ):

@@ -23,7 +23,7 @@ import orjson
 from corrallm.api.auth import authorized, canonical
 from corrallm.gateway import Gateway
 from corrallm.metrics import CONTENT_TYPE
-from corrallm.proxy import audio, inference, realtime, reservations
+from corrallm.proxy import anthropic, audio, inference, realtime, reservations, responses
 from corrallm.proxy.asgi import (
     ASGIApp,
     BodyTooLarge,
@@ -36,6 +36,7 @@ from corrallm.proxy.asgi import (
     send_bytes,
 )
 from corrallm.proxy.errors import ApiError, internal, not_found
+from corrallm.proxy.models import ModelCatalog
 from corrallm.proxy.pipeline import Pipeline
 from corrallm.ui.app import Dashboard, is_dashboard_path
 
@@ -68,6 +69,9 @@ SURFACES: dict[str, Surface] = {
     "/v1/audio/speech": Surface("POST", inference.serve),
     "/v1/audio/transcriptions": Surface("POST", audio.transcribe),
     "/v1/audio/translations": Surface("POST", audio.transcribe),
+    "/v1/messages": Surface("POST", anthropic.serve, anthropic.write_error),
+    "/v1/messages/count_tokens": Surface("POST", anthropic.count_tokens, anthropic.write_error),
+    "/v1/responses": Surface("POST", responses.serve),
 }
 _HEALTH = orjson.dumps({"status": "ok"})
 METRICS_CONTENT_TYPE = CONTENT_TYPE.encode()
@@ -79,7 +83,7 @@ class CorrallmApp:
         self.pipeline = Pipeline(gateway)
         self._admin_token = admin_token
         self._ids = itertools.count(1)
-        self._models_body = (gateway.version, self._models_list())
+        self.models = ModelCatalog(self.pipeline)
         self._apis: dict[str, ASGIApp] = {}
         self._building = asyncio.Lock()
         self.dashboard = Dashboard(gateway, admin_token, web_root)
@@ -118,11 +122,9 @@ class CorrallmApp:
                 _require(method, "GET", path)
                 body = self.gateway.metrics.render()
                 await send_bytes(send, 200, body, content_type=METRICS_CONTENT_TYPE)
-            elif path == "/v1/models":
+            elif path == "/v1/models" or path.startswith("/v1/models/"):
                 _require(method, "GET", path)
-                if self._models_body[0] != self.gateway.version:  # a reload changed them
-                    self._models_body = (self.gateway.version, self._models_list())
-                await send_bytes(send, 200, self._models_body[1])
+                await self.models.send(scope, send)
             elif path == "/api" or path.startswith("/api/"):
                 await self._management_api(scope, receive, send)
             elif is_dashboard_path(path):
@@ -131,7 +133,8 @@ class CorrallmApp:
                 raise not_found(
                     f"No endpoint {method} {path}. corrallm serves POST "
                     + ", ".join(sorted(SURFACES))
-                    + ", GET /v1/models, GET /v1/capabilities and /upstream/<model>/<path>."
+                    + ", GET /v1/models, GET /v1/models/{id}, GET /v1/capabilities and "
+                    "/upstream/<model>/<path>."
                 )
         except ApiError as exc:
             await (surface.errors if surface is not None else openai_error)(exc, send)
@@ -195,23 +198,6 @@ class CorrallmApp:
                 code="body_too_large",
             ) from None
         await handler(self.pipeline, scope, receive, send, body)
-
-    def _models_list(self) -> bytes:
-        data = [
-            {
-                "id": served.name,
-                "object": "model",
-                "created": self.gateway.started_at,
-                "owned_by": "corrallm",
-                "aliases": list(served.config.aliases),
-                "modality": "audio"
-                if self.gateway.ledger.costs.audio(served.primary.config)
-                else "text",
-            }
-            for served in self.gateway.served
-            if not served.config.unlisted
-        ]
-        return orjson.dumps({"object": "list", "data": data})
 
     async def _lifespan(self, receive: Receive, send: Send) -> None:
         while True:

@@ -21,6 +21,7 @@ from corrallm.lifecycle.pauses import Kind, Pausable
 from corrallm.lifecycle.remote import RemoteEndpoint
 from corrallm.lifecycle.supervisor import Supervisor
 from corrallm.residency.manager import Tenancy
+from corrallm.routing.filters import filters_of
 from corrallm.routing.router import Endpoint, Route, ServedModel
 
 EVICT_COSTS = ["low", "medium", "high"]
@@ -100,6 +101,7 @@ def build(
     for name, spec in config.extensions.items():
         topo.extensions[name] = supervisor(f"extension:{name}", spec)
     for name, model in config.models.items():
+        filters = filters_of(model)  # K5: its filters, and alias -> its own setParams
         routes = []
         for index, backend in enumerate(model.backends):
             bid = backend_id(name, index, backend)
@@ -112,7 +114,7 @@ def build(
             else:
                 assert backend.proxy is not None, "validated config"
                 endpoint = RemoteEndpoint(bid, resolve_url(backend.proxy, None))
-            route = Route(bid, name, backend, endpoint)
+            route = Route(bid, name, backend, endpoint, filters)
             routes.append(route)
             topo.routes[bid] = route
         served = ServedModel(name, model, routes)

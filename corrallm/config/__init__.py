@@ -9,6 +9,7 @@ except ConfigError as exc:
 
 from __future__ import annotations
 
+import json
 import re
 
 from corrallm.config.loading import (
@@ -20,11 +21,13 @@ from corrallm.config.loading import (
 )
 from corrallm.config.schema import (
     PORT_PLACEHOLDER,
+    Alias,
     Backend,
     BackendTimeouts,
     CommandCost,
     Config,
     Extension,
+    Filters,
     Health,
     Ledger,
     Model,
@@ -44,12 +47,14 @@ from corrallm.config.units import format_size, parse_duration, parse_size
 
 __all__ = [
     "PORT_PLACEHOLDER",
+    "Alias",
     "Backend",
     "BackendTimeouts",
     "CommandCost",
     "Config",
     "ConfigError",
     "Extension",
+    "Filters",
     "Health",
     "Ledger",
     "Model",
@@ -124,6 +129,29 @@ def _process(spec: ProcessSpec) -> str:
     return "  ".join(parts)
 
 
+def _params(params: dict[str, object]) -> str:
+    return ", ".join(f"{k}={json.dumps(v, default=str)}" for k, v in params.items())
+
+
+def _filters(model: Model) -> list[str]:
+    """K5: the model's request filters, then each alias's own setParams."""
+    spec = model.filters
+    parts = []
+    if spec.strip_params:
+        parts.append(f"strip {', '.join(spec.strip_params)}")
+    if spec.default_params:
+        parts.append(f"default {_params(spec.default_params)}")
+    if spec.set_params:
+        parts.append(f"set {_params(spec.set_params)}")
+    lines = [f"    filters: {'; '.join(parts)}"] if parts else []
+    lines += [
+        f"    alias {alias.name}: set {_params(alias.set_params)}"
+        for alias in model.alias_specs
+        if alias.set_params
+    ]
+    return lines
+
+
 def summary(config: Config) -> str:
     """What `corrallm check` prints for a good config. Never prints key secrets."""
     groups = dict(config.priority_groups)
@@ -155,6 +183,7 @@ def summary(config: Config) -> str:
             ttl = _seconds(model.sticky.ttl) if model.sticky.ttl is not None else "none"
             flags.append(f"sticky ttl {ttl}, evictCost {model.sticky.evict_cost}")
         lines.append(f"  {name}" + (f"  ({'; '.join(flags)})" if flags else ""))
+        lines += _filters(model)
         for index, backend in enumerate(model.backends):
             head = (
                 f"    {backend_id(name, index, backend)}: type {backend.type}, "

@@ -167,6 +167,10 @@ class ProcessSpec(Section):
 Api = Literal["openai", "anthropic", "responses"]
 
 
+def _openai_only() -> list[Api]:
+    return ["openai"]
+
+
 class BackendTimeouts(Section):
     """A backend's own timeouts; each one unset falls back to the top-level `timeouts`."""
 
@@ -190,9 +194,15 @@ class Backend(ProcessSpec):
     extension: str | None = None
     timeouts: BackendTimeouts = Field(default_factory=BackendTimeouts)
     apis: list[Api] = Field(
-        default_factory=lambda: ["openai"],
+        default_factory=_openai_only,
         description="dialects the backend speaks natively (SPEC §16 K1/K2); others are "
         "translated to and from Chat Completions",
+    )
+    context_length: int | None = Field(
+        None,
+        ge=1,
+        description="context tokens per slot, shown in GET /v1/models until the process "
+        "reports its own n_ctx (SPEC §16 K3)",
     )
 
 
@@ -205,12 +215,68 @@ class Sticky(Section):
     evict_cost: Literal["low", "medium", "high"] = "medium"
 
 
+# Request parameters: any JSON value, as the caller would send it.
+Params = dict[str, Any]
+
+
+class Filters(Section):
+    """What is done to a request's parameters after routing, before forwarding (SPEC §16
+    K5): removed, forced, or filled in when the caller did not set them. `model` and
+    `stream` are never touched (validation.py reports a filter naming them)."""
+
+    strip_params: list[str] = Field(default_factory=list, description="removed")
+    set_params: Params = Field(default_factory=dict, description="forced")
+    default_params: Params = Field(
+        default_factory=dict, description="filled in when the caller did not set them"
+    )
+
+
+def _alias_json_schema(schema: dict[str, Any]) -> None:
+    # An alias is a name or an object carrying its own setParams (SPEC §16 K5).
+    obj = dict(schema)
+    schema.clear()
+    schema["title"] = obj.pop("title", "Alias")
+    schema["anyOf"] = [{"type": "string", "minLength": 1}, obj]
+
+
+class Alias(Section):
+    model_config = ConfigDict(json_schema_extra=_alias_json_schema)
+
+    name: str = Field(min_length=1)
+    set_params: Params = Field(
+        default_factory=dict, description="forced for requests that name this alias"
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _plain_name(cls, data: object) -> object:
+        # `aliases: [chat]` is shorthand for `aliases: [{name: chat}]`.
+        if isinstance(data, str):
+            return {"name": data}
+        if not isinstance(data, dict):
+            raise ValueError(
+                "expected an alias name or a mapping such as "
+                "{name: chat-creative, setParams: {temperature: 1.1}}"
+            )
+        return data
+
+
 class Model(Section):
     backends: list[Backend] = Field(min_length=1)
     persistent: bool = False
     sticky: Sticky | None = None
-    aliases: list[str] = Field(default_factory=list)
+    alias_specs: list[Alias] = Field(
+        default_factory=list,
+        alias="aliases",
+        description="other names callers may use; each a name or {name, setParams}",
+    )
     unlisted: bool = False
+    filters: Filters = Field(default_factory=Filters)
+
+    @property
+    def aliases(self) -> list[str]:
+        """The alias names (what callers may send as `model`), in config order."""
+        return [alias.name for alias in self.alias_specs]
 
 
 POLICY_WORDS = ("preempt", "spill", "queue", "reject")
@@ -250,6 +316,31 @@ class SpendLimit(Section):
     window: Duration = 86400.0
 
 
+class FeedbackOverride(Section):
+    """A group's own `feedback`: each key set here overrides the top level's."""
+
+    after: Duration | None = Field(None, ge=0)
+    every: Duration | None = Field(None, gt=0)
+    enabled: bool | None = None
+
+
+class Feedback(Section):
+    """SSE comment lines for a streamed request that waits (SPEC §16 K4)."""
+
+    after: Duration = Field(2.0, ge=0, description="wait this long before the first comment")
+    every: Duration = Field(5.0, gt=0, description="then one comment this often")
+    enabled: bool = True
+
+    def merged(self, own: FeedbackOverride | None) -> Feedback:
+        if own is None:
+            return self
+        return Feedback(
+            after=self.after if own.after is None else own.after,
+            every=self.every if own.every is None else own.every,
+            enabled=self.enabled if own.enabled is None else own.enabled,
+        )
+
+
 class PriorityGroup(Section):
     weight: float = Field(1.0, gt=0)
     share_currency: Literal["requests", "slotSeconds", "tokens", "dollars"] = "requests"
@@ -260,6 +351,7 @@ class PriorityGroup(Section):
     spend_limit: SpendLimit | None = None
     max_wait: Duration | None = None
     max_queue_depth: int | None = Field(None, ge=0)
+    feedback: FeedbackOverride | None = None
 
     @model_validator(mode="before")
     @classmethod
@@ -309,6 +401,7 @@ class Config(Section):
     realtime: Realtime = Field(default_factory=Realtime)
     ledger: Ledger = Field(default_factory=Ledger)
     timeouts: Timeouts = Field(default_factory=Timeouts)
+    feedback: Feedback = Field(default_factory=Feedback)
     max_body_size: Size = 64 * 10**6
 
     def upstream_idle(self, backend: Backend) -> float:

@@ -132,6 +132,19 @@ def _proxy_problem(proxy: str, has_cmd: bool) -> str | None:
     return f"must be a port (5800), an http(s):// URL or ${{PORT}}, got {proxy!r}{hint}"
 
 
+# K5: corrallm routes by `model` (renaming it per backend with `model:`) and reads `stream`
+# itself to relay and meter the answer; no filter may change either.
+UNTOUCHABLE_PARAMS = ("model", "stream")
+
+
+def _untouchable(name: str, verb: str) -> str:
+    why = {
+        "model": "corrallm routes by it; a backend's own model: key names the model sent upstream",
+        "stream": "corrallm reads it to relay and meter the answer; the caller decides",
+    }[name]
+    return f"'{name}' cannot be {verb} by a filter: {why}"
+
+
 class _Checker:
     """Collects cross-field problems over the raw config data."""
 
@@ -296,11 +309,19 @@ class _Checker:
                         f"type '{kind}'{given} is not in commandCosts"
                         f"{did_you_mean(kind, costs)}; known types: {_names(costs)}",
                     )
+            self.check_filters(("models", model, "filters"), _map(spec.get("filters")))
             aliases = spec.get("aliases")
-            for index, alias in enumerate(aliases if isinstance(aliases, list) else []):
+            for index, item in enumerate(aliases if isinstance(aliases, list) else []):
+                loc = ("models", model, "aliases", index)
+                if isinstance(item, Mapping):
+                    params = item.get("setParams")
+                    if isinstance(params, Mapping):
+                        self.check_params((*loc, "setParams"), params, "set")
+                    item = item.get("name")
+                    loc = (*loc, "name")
+                alias = item
                 if not isinstance(alias, str) or alias == model:
                     continue
-                loc = ("models", model, "aliases", index)
                 if alias in self.models:
                     self.add(loc, f"alias '{alias}' is already the name of model '{alias}'")
                 elif alias_owner.get(alias, model) != model:
@@ -309,6 +330,22 @@ class _Checker:
                     )
                 else:
                     alias_owner[alias] = model
+
+    def check_filters(self, loc: Loc, raw: Mapping[str, Any]) -> None:
+        """K5: a filter never touches `model` or `stream`."""
+        stripped = raw.get("stripParams")
+        for index, name in enumerate(stripped if isinstance(stripped, list) else []):
+            if name in UNTOUCHABLE_PARAMS:
+                self.add((*loc, "stripParams", index), _untouchable(name, "stripped"))
+        for key, verb in (("setParams", "set"), ("defaultParams", "defaulted")):
+            params = raw.get(key)
+            if isinstance(params, Mapping):
+                self.check_params((*loc, key), params, verb)
+
+    def check_params(self, loc: Loc, params: Mapping[str, Any], verb: str) -> None:
+        for name in params:
+            if name in UNTOUCHABLE_PARAMS:
+                self.add((*loc, name), _untouchable(name, verb))
 
     def check_hosted(self, loc: Loc, raw: Mapping[str, Any]) -> None:
         extension = raw.get("extension")

@@ -225,7 +225,25 @@ class FakeBackend:
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:
             raise BadRequest("'messages' is required and must be a non-empty list")
+        call = r.tool_call(body) if self.opts.tool_calls else None
+        if call is not None:
+            await self._tool_call(ex, body, call, r.count_words(messages))
+            return
         await self._generate(ex, body, True, r.count_words(messages), faulty)
+
+    async def _tool_call(
+        self, ex: Exchange, body: dict[str, Any], call: dict[str, Any], prompt: int
+    ) -> None:
+        """--tool-calls: answer with a call of a tool the request offers."""
+        rid, created = self._new_id("chatcmpl")
+        model = self._model(body)
+        if body.get("stream") is not True:
+            await ex.respond(200, r.tool_call_completion(rid, created, model, call, prompt))
+            return
+        so = body.get("stream_options")
+        include_usage = isinstance(so, dict) and so.get("include_usage") is True
+        events = r.tool_call_events(rid, created, model, call, prompt, include_usage)
+        await self._stream(ex, events, range(1, 4))
 
     async def _completions(self, ex: Exchange, faulty: bool = False) -> None:
         body = self._body(ex)

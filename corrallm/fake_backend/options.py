@@ -29,6 +29,7 @@ class Options:
     stall_after_tokens: int | None = None
     die_mid_body: bool = False
     faulty_requests: int | None = None
+    tool_calls: bool = False
 
     @property
     def n_ctx_slot(self) -> int:
@@ -129,6 +130,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="apply --hang / --stall-after-tokens / --die-mid-body to only the first N "
         "inference requests (default: all)",
+    )
+    p.add_argument(
+        "--tool-calls",
+        action="store_true",
+        help="a chat request with `tools` whose last message is the user's is answered with "
+        "a call of its first tool (or the one tool_choice names), streamed or not",
     )
     return p
 

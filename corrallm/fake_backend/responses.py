@@ -164,6 +164,90 @@ def stream_events(
     return events, first
 
 
+def tool_call(body: dict[str, Any]) -> dict[str, Any] | None:
+    """The tool call a `--tool-calls` backend makes for this chat request, if any: of the
+    tool `tool_choice` names, else the first; every required property set to "fake"."""
+    tools = body.get("tools")
+    messages = body.get("messages")
+    choice = body.get("tool_choice")
+    if not isinstance(tools, list) or not tools or choice == "none":
+        return None
+    if not isinstance(messages, list) or not isinstance(messages[-1], dict):
+        return None
+    if messages[-1].get("role") != "user":
+        return None  # a tool result came back: answer in words
+    functions = [t["function"] for t in tools if isinstance(t, dict) and "function" in t]
+    if isinstance(choice, dict):
+        named = choice.get("function", {}).get("name")
+        functions = [f for f in functions if f.get("name") == named] or functions
+    if not functions:
+        return None
+    function = functions[0]
+    params = function.get("parameters") or {}
+    args = {name: "fake" for name in params.get("required", [])}
+    return {"name": function.get("name", ""), "arguments": orjson.dumps(args).decode()}
+
+
+def tool_call_completion(
+    rid: str, created: int, model: str, call: dict[str, Any], prompt: int
+) -> bytes:
+    message = {
+        "role": "assistant",
+        "content": None,
+        "tool_calls": [{"id": f"call_{rid}", "type": "function", "function": call}],
+    }
+    choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": "tool_calls"}
+    return orjson.dumps(
+        {
+            "id": rid,
+            "object": "chat.completion",
+            "created": created,
+            "model": model,
+            "choices": [choice],
+            "usage": usage(prompt, 1),
+        }
+    )
+
+
+def tool_call_events(
+    rid: str, created: int, model: str, call: dict[str, Any], prompt: int, include_usage: bool
+) -> list[bytes]:
+    """A streamed tool call as OpenAI sends it: id and name first, arguments in two pieces."""
+    base = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model}
+    args = call["arguments"]
+    half = len(args) // 2
+    deltas: list[dict[str, Any]] = [
+        {"role": "assistant", "content": None},
+        {
+            "tool_calls": [
+                {
+                    "index": 0,
+                    "id": f"call_{rid}",
+                    "type": "function",
+                    "function": {"name": call["name"], "arguments": ""},
+                }
+            ]
+        },
+        {"tool_calls": [{"index": 0, "function": {"arguments": args[:half]}}]},
+        {"tool_calls": [{"index": 0, "function": {"arguments": args[half:]}}]},
+        {},
+    ]
+    events = []
+    for i, delta in enumerate(deltas):
+        reason = "tool_calls" if i == len(deltas) - 1 else None
+        obj: dict[str, Any] = {
+            **base,
+            "choices": [{"index": 0, "delta": delta, "finish_reason": reason}],
+        }
+        if include_usage:
+            obj["usage"] = None
+        events.append(_event(obj))
+    if include_usage:
+        events.append(_event({**base, "choices": [], "usage": usage(prompt, 1)}))
+    events.append(DONE)
+    return events
+
+
 def embedding_vector(item: Any, dim: int) -> list[float]:
     """A deterministic unit vector from a hash of the input."""
     seed = orjson.dumps(item)

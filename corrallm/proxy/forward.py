@@ -39,7 +39,7 @@ _HOP_BY_HOP = frozenset(
         b"accept-encoding",
     }
 )
-_CALLER_IDENTITY = frozenset({b"authorization", b"x-corrallm-key", b"cookie"})
+_CALLER_IDENTITY = frozenset({b"authorization", b"x-corrallm-key", b"x-api-key", b"cookie"})
 _DROP_REQUEST = _HOP_BY_HOP | _CALLER_IDENTITY
 _DROP_RESPONSE = frozenset({b"connection", b"keep-alive", b"transfer-encoding", b"server", b"date"})
 
@@ -150,7 +150,7 @@ async def forward(
     try:
         response = await client.request(scope["method"], url, body, headers, idle_timeout)
     except UpstreamTimeout as exc:
-        raise _failed(meter, backend_id, exc) from None
+        raise upstream_failure(meter, backend_id, exc) from None
     except OSError as exc:
         raise bad_gateway(
             f"backend '{backend_id}' did not answer at {url}: {exc or type(exc).__name__}. "
@@ -212,7 +212,7 @@ async def _relay_body(
                 held = []
             await send({"type": "http.response.body", "body": chunk, "more_body": True})
     except OSError as exc:
-        error = _failed(meter, backend_id, exc)
+        error = upstream_failure(meter, backend_id, exc)
         if not sent:
             raise error from None
         return error.status  # returning unfinished makes the server close the connection
@@ -261,7 +261,7 @@ async def _relay_events(
     except OSError as exc:
         # The torn event (`pending`) is dropped. A stream whose [DONE] went out is whole.
         if b"[DONE]" not in last:
-            error = _failed(meter, backend_id, exc)
+            error = upstream_failure(meter, backend_id, exc)
             status = error.status
             await send(
                 {"type": "http.response.body", "body": _stream_error(error), "more_body": True}
@@ -278,7 +278,7 @@ async def _relay_events(
     return status
 
 
-def _failed(meter: Meter | None, backend_id: str, exc: BaseException) -> ApiError:
+def upstream_failure(meter: Meter | None, backend_id: str, exc: BaseException) -> ApiError:
     """What a broken or silent backend means for the caller, logged once as its fault."""
     if isinstance(exc, UpstreamTimeout):
         where = "sending its answer" if exc.headers_seen else "answering"

@@ -18,9 +18,11 @@ import orjson
 from corrallm.lifecycle.addresses import origin, upstream_url
 from corrallm.proxy.asgi import Receive, Scope, Send
 from corrallm.proxy.errors import ApiError, bad_request, not_found
+from corrallm.proxy.feedback import SSEFeedback
 from corrallm.proxy.forward import PREEMPTED_EVENT, DisconnectWatch, forward, request_headers
 from corrallm.proxy.metering import Meter, ask_for_usage
 from corrallm.proxy.pipeline import SURFACE_MODE, Admitted, Inbound, Pipeline, caller_key, ready
+from corrallm.routing.affinity import session_key
 from corrallm.routing.router import Route
 
 _TOKEN_LIMITS = ("max_tokens", "max_completion_tokens")
@@ -75,10 +77,15 @@ def token_limit(payload: dict[str, Any]) -> tuple[int | None, bool]:
 
 
 def upstream_body(body: bytes, payload: dict[str, Any], route: Route, force: bool = False) -> bytes:
-    """Rename the model for the backend and clamp its token limit; else forward as sent
-    (`force`: the payload was changed already, e.g. to ask a stream for its usage)."""
+    """The body for the backend: the model's request filters applied (K5), the model
+    renamed and the token limit clamped; else the body as sent (`force`: the payload was
+    changed already, e.g. to ask a stream for its usage). `payload` itself is left as it
+    is, so a request routed again (P6, S4) starts over from what the caller sent."""
     config = route.config
     changed = force
+    if route.filters or config.model or config.max_tokens is not None:
+        payload = dict(payload)
+        changed = filtered(payload, route) or changed
     if config.model and payload.get("model") != config.model:
         payload["model"] = config.model
         changed = True
@@ -92,6 +99,12 @@ def upstream_body(body: bytes, payload: dict[str, Any], route: Route, force: boo
             payload["max_tokens"] = config.max_tokens
             changed = True
     return orjson.dumps(payload) if changed else body
+
+
+def filtered(payload: dict[str, Any], route: Route) -> bool:
+    """K5: strip, fill in and force the route's model's parameters, then those of the
+    alias the caller named (`payload['model']`, before any rename); True if changed."""
+    return bool(route.filters) and route.filters.apply(payload, payload.get("model"))
 
 
 async def serve(
@@ -122,12 +135,24 @@ async def serve_parsed(
     """Admit, forward and meter one request whose model is known. A non-JSON body (an
     audio upload) has only `model` in `payload` and is forwarded byte for byte."""
     path: str = scope["path"]
-    inbound = Inbound(model, path, caller_key(scope), len(body), SURFACE_MODE.get(path), limit)
+    inbound = Inbound(
+        model,
+        path,
+        caller_key(scope),
+        len(body),
+        SURFACE_MODE.get(path),
+        limit,
+        session=session_key(scope["headers"], payload),
+    )
     strip_usage = ask_for_usage(path, payload)
+    # K4: a streamed request that waits is told why, on a stream opened early.
+    feedback = SSEFeedback(send) if payload.get("stream") is True else None
+    out = send if feedback is None else feedback.send
 
     async def work(admitted: Admitted) -> int:
         route, ticket, visit = admitted.route, admitted.ticket, admitted.visit
         extra = [(b"x-corrallm-backend", route.id.encode())]
+        extra.extend((k.encode(), v.encode()) for k, v in admitted.waited.headers().items())
         if visit.degraded:
             extra.append((b"x-corrallm-degraded", b"true"))
         if path in UPLOAD_PATHS:
@@ -139,7 +164,7 @@ async def serve_parsed(
             return await forward(
                 pipeline.upstream,
                 scope,
-                send,
+                out,
                 upstream_url(route.endpoint.base_url, path),
                 data,
                 request_headers(scope["headers"], route.config.headers),
@@ -162,7 +187,11 @@ async def serve_parsed(
 
     watch = DisconnectWatch(receive)
     try:
-        await pipeline.run(inbound, work, watch, preempted)
+        await pipeline.run(inbound, work, watch, preempted, feedback)
+    except ApiError as exc:
+        if feedback is None or not feedback.opened:
+            raise
+        await feedback.fail(exc)  # the stream is open: the error is its last event
     finally:
         watch.close()
 

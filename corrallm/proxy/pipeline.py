@@ -20,7 +20,8 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import TypeVar
 
 import aiohttp
 
@@ -31,6 +32,7 @@ from corrallm.lifecycle.supervisor import Cause
 from corrallm.proxy.asgi import Scope, header
 from corrallm.proxy.client import Client
 from corrallm.proxy.errors import RETIRED, ApiError, lifecycle_failure, not_found, unavailable
+from corrallm.proxy.feedback import Narrator, Waited, Waiting
 from corrallm.proxy.forward import DisconnectWatch, new_session
 from corrallm.routing.router import Route, ServedModel
 from corrallm.scheduler.admission import Rejected, Ticket, retry_after_header
@@ -57,11 +59,14 @@ class Admitted:
     caller: Caller
     ticket: Ticket
     visit: Visit
+    waited: Waited
 
     @property
     def route(self) -> Route:
         return self.ticket.route
 
+
+T = TypeVar("T")
 
 # The surface's part: talk to the admitted backend, fill in `visit.metered`/`ttfb_ms`, and
 # return the status to record.
@@ -136,11 +141,14 @@ class Pipeline:
         work: Work,
         watch: DisconnectWatch | None = None,
         preempted: Preempted | None = None,
+        waiting: Waiting | None = None,
     ) -> None:
         """Admit `inbound`, have `work` done on a ready backend, and account for it.
 
-        Raises the `ApiError` a surface renders (nothing has been sent then), or returns
-        once the answer is over. A client gone (`watch`) is recorded as 499."""
+        Raises the `ApiError` a surface renders (with how long it waited in its headers),
+        or returns once the answer is over. A client gone (`watch`) is recorded as 499.
+        With `waiting`, a request that waits is told why (K4) as its lane's `feedback`
+        says."""
         gw = self.gw
         caller = gw.caller(inbound.key)
         visit = Visit(
@@ -150,12 +158,20 @@ class Pipeline:
             inbound.endpoint,
             inbound.size,
         )
+        flight = _Flight(caller, visit, inbound, work, watch, preempted)
+        if waiting is not None:
+            own = caller.group.feedback if caller.group else None
+            settings = gw.config.feedback.merged(own)
+            if settings.enabled:
+                flight.narrator = Narrator(waiting, settings, visit.arrived_mono)
         try:
             served = self.gates(inbound, caller)
             visit.model = served.name
-            await self._admit_and_work(served, caller, visit, inbound, work, watch, preempted)
+            await self._admit_and_work(served, flight)
         except ApiError as exc:
             visit.status, visit.error = exc.status, f"{exc.code}: {exc.message}"
+            for name, value in flight.waited.headers().items():
+                exc.headers.setdefault(name, value)
             raise
         except asyncio.CancelledError:
             visit.status, visit.error = 499, "the client went away"
@@ -163,17 +179,8 @@ class Pipeline:
         finally:
             gw.settle(visit)
 
-    async def _admit_and_work(
-        self,
-        served: ServedModel,
-        caller: Caller,
-        visit: Visit,
-        inbound: Inbound,
-        work: Work,
-        watch: DisconnectWatch | None,
-        preempted: Preempted | None,
-    ) -> None:
-        gw = self.gw
+    async def _admit_and_work(self, served: ServedModel, flight: _Flight) -> None:
+        gw, caller, visit, inbound = self.gw, flight.caller, flight.visit, flight.inbound
         tiers = served.tiers_for(caller.group, gw.placeable)
         wait = gw.ledger.reserve(visit, tiers[0][0].config, inbound.limit)
         if wait is not None:
@@ -182,8 +189,9 @@ class Pipeline:
         admission = gw.admission
         ticket: Ticket | None = None
         try:
-            ticket = await admission.acquire(
-                caller.group_name, caller.group, tiers, inbound.session
+            ticket = await flight.queued(
+                admission.acquire(caller.group_name, caller.group, tiers, inbound.session),
+                self._queue_note(tiers[0][0].id),
             )
             while True:
                 if gw.stale(ticket.route):
@@ -194,8 +202,9 @@ class Pipeline:
                     ticket = None
                     served = self.lookup(served.name, reloaded=True)
                     tiers = served.tiers_for(caller.group, gw.placeable)
-                    ticket = await admission.acquire(
-                        caller.group_name, caller.group, tiers, inbound.session
+                    ticket = await flight.queued(
+                        admission.acquire(caller.group_name, caller.group, tiers, inbound.session),
+                        self._queue_note(tiers[0][0].id),
                     )
                     continue
                 visit.admitted_mono = visit.admitted_mono or time.monotonic()
@@ -203,11 +212,13 @@ class Pipeline:
                 visit.degraded = served.degraded(ticket.route)
                 visit.spilled = ticket.route not in tiers[0]
                 ticket.started = ticket.shielded = False
-                admitted = Admitted(served, caller, ticket, visit)
+                admitted = Admitted(served, caller, ticket, visit, flight.waited)
                 try:
-                    await enter_ready(ticket.route, cause)
+                    await flight.loading(
+                        enter_ready(ticket.route, cause), self._load_note(ticket.route)
+                    )
                     try:
-                        visit.status = await work(admitted)
+                        visit.status = await flight.work(admitted)
                     finally:
                         ticket.route.endpoint.leave()
                     return
@@ -220,14 +231,17 @@ class Pipeline:
                         raise
                 visit.preempted = True
                 if ticket.started:  # S4: the surface ends what it began, cleanly
-                    if preempted is not None:
-                        await preempted(admitted)
+                    if flight.preempted is not None:
+                        await flight.preempted(admitted)
                     return
-                ticket = await admission.requeue(ticket, caller.group)  # only a delay
+                # Only a delay for its client.
+                ticket = await flight.queued(
+                    admission.requeue(ticket, caller.group), self._queue_note(ticket.route.id)
+                )
         except Rejected as exc:
             raise too_many_requests(exc) from None
         except asyncio.CancelledError:
-            if watch is not None and watch.absorb():
+            if flight.watch is not None and flight.watch.absorb():
                 visit.status, visit.error = 499, "the client went away"
                 return  # the client left: its slot is free and its upstream request dropped
             raise
@@ -237,18 +251,94 @@ class Pipeline:
                 tokens = visit.metered.tokens if visit.metered else 0
                 admission.release(ticket, tokens, price.cost_usd)
 
+    # -- what a waiting client is told (K4) ------------------------------------------
+
+    def _queue_note(self, backend: str) -> Callable[[], str]:
+        core = self.gw.admission.core
+
+        def note() -> str:
+            capacity, in_flight, waiting = core.load(backend)
+            eta = core.retry_after(backend)
+            return (
+                f"corrallm queued: {waiting} waiting for {capacity} slot"
+                f"{'s' if capacity != 1 else ''} of {backend} ({in_flight} busy), ~{eta:.0f}s"
+            )
+
+        return note
+
+    def _load_note(self, route: Route) -> Callable[[], str]:
+        began = time.monotonic()
+        config = self.gw.config
+        server = route.config.server or next(iter(config.servers), None)
+        where = f" on {server}" if server else ""
+        endpoint = route.endpoint
+        measured = getattr(endpoint, "last_load_seconds", None)
+        expected = measured if measured is not None else route.config.swap.load_seconds
+
+        def note() -> str:
+            of = f"~{expected:.0f}s expected" if expected else "unknown time expected"
+            return f"corrallm loading {route.model}{where}: {time.monotonic() - began:.0f}s of {of}"
+
+        return note
+
+
+@dataclass(slots=True)
+class _Flight:
+    """One request on its way through `Pipeline.run`: who asked, what it waits for, and
+    what the surface does once it is admitted."""
+
+    caller: Caller
+    visit: Visit
+    inbound: Inbound
+    work: Work
+    watch: DisconnectWatch | None
+    preempted: Preempted | None
+    narrator: Narrator | None = None
+    waited: Waited = field(default_factory=Waited)
+
+    async def queued(self, admit: Awaitable[Ticket], note: Callable[[], str]) -> Ticket:
+        began = time.monotonic()
+        try:
+            return await self._narrated(admit, note, lambda: self._so_far(began, "queue"))
+        finally:
+            self.waited.queue_ms += (time.monotonic() - began) * 1000
+
+    async def loading(self, ready: Awaitable[None], note: Callable[[], str]) -> None:
+        began = time.monotonic()
+        try:
+            await self._narrated(ready, note, lambda: self._so_far(began, "load"))
+        finally:
+            self.waited.load_ms += (time.monotonic() - began) * 1000
+
+    def _so_far(self, began: float, phase: str) -> Waited:
+        now = (time.monotonic() - began) * 1000
+        queue, load = self.waited.queue_ms, self.waited.load_ms
+        return Waited(queue + now, load) if phase == "queue" else Waited(queue, load + now)
+
+    async def _narrated(
+        self, waited: Awaitable[T], note: Callable[[], str], so_far: Callable[[], Waited]
+    ) -> T:
+        if self.narrator is None:
+            return await waited
+        async with self.narrator.during(note, so_far):
+            return await waited
+
 
 # -- the gates' pieces, shared with the surfaces that use only some of them -------------
 
 
 def caller_key(scope: Scope) -> str | None:
-    """The caller's API key: `Authorization: Bearer <key>` or `X-Corrallm-Key: <key>`."""
+    """The caller's API key: `Authorization: Bearer <key>`, `X-Corrallm-Key: <key>`, or
+    `x-api-key: <key>` (what Anthropic clients send, SPEC §16 K1)."""
     raw = header(scope, b"x-corrallm-key")
     if raw:
         return raw.decode("latin-1").strip()
     auth = header(scope, b"authorization")
     if auth and auth[:7].lower() == b"bearer ":
         return auth[7:].decode("latin-1").strip() or None
+    raw = header(scope, b"x-api-key")
+    if raw:
+        return raw.decode("latin-1").strip() or None
     return None
 
 

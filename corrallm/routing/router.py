@@ -8,6 +8,7 @@ from typing import Protocol
 
 from corrallm.config.schema import Backend, Model, PriorityGroup
 from corrallm.lifecycle.state import State
+from corrallm.routing.filters import NO_FILTERS, RequestFilters
 from corrallm.routing.tiers import may_serve, tiers
 
 
@@ -34,6 +35,7 @@ class Route:
     model: str
     config: Backend
     endpoint: Endpoint
+    filters: RequestFilters = NO_FILTERS  # its model's request filters (K5)
 
 
 @dataclass

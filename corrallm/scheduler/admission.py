@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 from corrallm.config.schema import Config, PriorityGroup
 from corrallm.config.schema import Policy as PolicyConfig
+from corrallm.routing.affinity import Affinity
 from corrallm.routing.router import Route
 from corrallm.scheduler.core import (
     Admit,
@@ -55,6 +56,9 @@ class Ticket:
     # preemption waits for it instead of cancelling it (S4).
     started: bool = False
     shielded: bool = False
+    # K6: the conversation it belongs to (served model, session key), remembered on the
+    # backend it is admitted to.
+    session: tuple[str, str] | None = None
 
 
 @dataclass
@@ -62,6 +66,7 @@ class Admission:
     config: Config
     routes: dict[str, Route]
     clock: Callable[[], float] = time.monotonic
+    sessions: Affinity = field(default_factory=Affinity)  # K6: where conversations ran
     core: Scheduler = field(init=False)
 
     def __post_init__(self) -> None:
@@ -101,10 +106,19 @@ class Admission:
         tiers: Sequence[Sequence[Route]],
         affinity: str | None = None,
     ) -> Ticket:
+        """A slot on one backend of `tiers`, waiting for it if the policy says so.
+        `affinity`: the request's session key (K6); its conversation's last backend is
+        preferred among equal ones while it has room."""
         request = Request(next(self._ids), group_name, self.clock())
         policy = self._policy(group, tiers[0][0].config.type)
+        # K6: one conversation's key is per served model (a session may span models).
+        session = (tiers[0][0].model, affinity) if affinity is not None else None
         decision = self.core.submit(
-            request, [[r.id for r in tier] for tier in tiers], policy, self.clock()
+            request,
+            [[r.id for r in tier] for tier in tiers],
+            policy,
+            self.clock(),
+            self.sessions.get(session),
         )
         if isinstance(decision, Reject):
             raise Rejected(
@@ -114,6 +128,7 @@ class Admission:
             self._preempt(decision.victim)
         interruptible = group is not None and group.interruptible
         ticket = Ticket(request.id, group_name, tiers[0][0], interruptible, asyncio.current_task())
+        ticket.session = session
         if isinstance(decision, Admit):
             return self._admitted(ticket, decision.backend)
         assert isinstance(decision, Queued | Preempt)
@@ -197,6 +212,7 @@ class Admission:
     def _admitted(self, ticket: Ticket, backend: str) -> Ticket:
         ticket.route = self.routes[backend]
         self._running[ticket.id] = ticket
+        self.sessions.put(ticket.session, backend)
         return ticket
 
     def _withdraw(self, request_id: int, future: asyncio.Future[str]) -> None:

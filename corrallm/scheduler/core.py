@@ -1,4 +1,4 @@
-"""The scheduling core (SPEC §6 S1-S5, §7, §8 F1): a plain object, the clock passed in.
+"""The scheduling core (SPEC §6 S1-S5, §7, §8 F1, §16 K6): a plain object, the clock passed in.
 
 It knows backends (slots), groups (weights, share currency), queues, running requests and
 leases, and answers with decisions; it never awaits, sleeps, logs or touches a socket.
@@ -8,6 +8,9 @@ The async wrapper (`admission.py`) carries the decisions out and reports back.
   the lowest decayed usage / weight; FIFO within a group. A group that becomes active is
   lifted to the current minimum, so idle time is not banked.
 - Policies (S2), per request: preempt -> spill -> queue -> reject.
+- Affinity (K6): among the equal backends of a tier, a request goes to the one its
+  conversation last ran on (`submit(..., prefer=)`) while that one has room; the memory
+  of where conversations ran is the caller's (`routing/affinity.py`).
 - Leases (V2): other lanes see `capacity - unused slots reserved by other lanes`; a lease
   never takes a slot from a running request.
 """
@@ -100,13 +103,25 @@ class Scheduler:
     # -- arrivals ------------------------------------------------------------------------
 
     def submit(
-        self, request: Request, tiers: Sequence[Sequence[str]], policy: Policy, now: float
+        self,
+        request: Request,
+        tiers: Sequence[Sequence[str]],
+        policy: Policy,
+        now: float,
+        prefer: str | None = None,
     ) -> Decision:
-        """Place a new request on the first tier with room, else by its policy (S2, F1)."""
+        """Place a new request on the first tier with room, else by its policy (S2, F1).
+
+        `prefer` (K6): the backend the request's conversation last ran on. Within the tier
+        that has room, it is taken while it has room itself; otherwise the normal choice
+        (least loaded, then in turn) stands, so a preference never makes a request wait
+        while an equal backend is free. When it has to queue, it queues there if no other
+        backend of the first tier has fewer waiting.
+        """
         group = self.groups[request.group]
         self._activate(group, now)
         for position, tier in enumerate(tiers):
-            if backend := self._least_loaded(tier, request.group):
+            if backend := self._least_loaded(tier, request.group, prefer):
                 return self._admit(request, backend, now)
             if policy.preempt and (victim := self._victim(tier, group.spec)):
                 return self._preempt(request, victim, now)
@@ -114,7 +129,10 @@ class Scheduler:
                 continue
             break
         assert tiers and tiers[0], "a request needs at least one backend"
-        home = min((self.backends[b] for b in tiers[0]), key=lambda b: b.waiting)
+        first = [self.backends[b] for b in tiers[0]]
+        if prefer in tiers[0]:  # K6: a tie on waiting goes to the conversation's backend
+            first.sort(key=lambda b: b.id != prefer)
+        home = min(first, key=lambda b: b.waiting)
         if not policy.queue:
             return self._reject(request, home, "saturated", now)
         group_limit = group.spec.max_queue_depth
@@ -246,8 +264,15 @@ class Scheduler:
             group.usage += 1.0
         return Admit(request.id, backend.id)
 
-    def _least_loaded(self, tier: Sequence[str], group: str) -> Backend | None:
-        """A backend of the tier this group may enter now; fewest in flight, then in turn."""
+    def _least_loaded(
+        self, tier: Sequence[str], group: str, prefer: str | None = None
+    ) -> Backend | None:
+        """A backend of the tier this group may enter now: the preferred one if it may (K6),
+        else the fewest in flight, then in turn."""
+        if prefer is not None and prefer in tier:
+            preferred = self.backends[prefer]
+            if preferred.room_for(group) and not self._waiters_fit(preferred):
+                return preferred
         open_ = [
             self.backends[b]
             for b in tier

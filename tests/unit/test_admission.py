@@ -1,4 +1,4 @@
-"""S1, S4, S5, S7, V2, P6: `Admission`, the async owner applying the scheduling core's
+"""S1, S4, S5, S7, V2, P6, K6: `Admission`, the async owner applying the scheduling core's
 decisions, on its race paths. A real event loop, a fake clock and routes whose endpoints
 are plain fakes: no process, no socket, no wall-clock sleep. Each test is an event
 sequence and one equality assert on what was observed."""
@@ -293,3 +293,29 @@ async def test_S1_queued_requests_of_one_lane_are_admitted_first_in_first_out():
         "w3 admitted on b",
         "w3 released",
     ]
+
+
+async def test_K6_a_conversation_returns_to_its_backend_while_it_has_room():
+    b1, b2 = route("b1", slots=2), route("b2", slots=2)
+    adm, _ = admission(b1, b2)
+    tier = [[b1, b2]]
+    first = await adm.acquire("default", None, tier, "chat-x")
+    adm.release(first)
+    other = await adm.acquire("default", None, tier, "chat-y")  # in turn: the other one
+    adm.release(other)
+    follow_ups = [await adm.acquire("default", None, tier, "chat-x") for _ in range(3)]
+    seen = [first.route.id, other.route.id, *(t.route.id for t in follow_ups)]
+    home, away = first.route.id, other.route.id
+    assert seen == [home, away, home, home, away]  # the third finds it full: no waiting
+
+
+async def test_K6_a_conversation_that_waited_is_remembered_where_it_was_admitted():
+    b1, b2 = route("b1"), route("b2")
+    adm, _ = admission(b1, b2)
+    tier = [[b1, b2]]
+    running = [await adm.acquire("default", None, tier) for _ in range(2)]
+    waiting = asyncio.create_task(adm.acquire("default", None, tier, "chat-x"))
+    await settle()
+    adm.release(next(t for t in running if t.route.id == "b1"))  # it queued on b1
+    await settle()
+    assert [outcome(waiting), adm.sessions.get(("m", "chat-x"))] == ["on b1", "b1"]

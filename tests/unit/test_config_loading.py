@@ -459,3 +459,51 @@ def test_cli_config_schema_prints_json_schema() -> None:
     result = run_cli("config-schema")
     assert result.returncode == 0, result.stderr
     assert "models" in json.loads(result.stdout)["properties"]
+
+
+K5_CONFIG = """
+models:
+  m:
+    aliases: [chat, {name: chat-creative, setParams: {temperature: 1.1}}]
+    filters:
+      stripParams: [logprobs]
+      setParams: {top_k: 40, chat_template_kwargs: {enable_thinking: false}}
+      defaultParams: {temperature: 0.2}
+    backends: [{proxy: 5800, contextLength: 8192}]
+"""
+
+
+def test_K5_alias_objects_load_and_the_names_stay_a_list_of_text() -> None:
+    model = load_config_text(K5_CONFIG, env={}).models["m"]
+    assert model.aliases == ["chat", "chat-creative"]
+    assert [(a.name, a.set_params) for a in model.alias_specs] == [
+        ("chat", {}),
+        ("chat-creative", {"temperature": 1.1}),
+    ]
+    assert model.filters.strip_params == ["logprobs"]
+    assert model.filters.default_params == {"temperature": 0.2}
+    assert model.backends[0].context_length == 8192
+
+
+def test_K5_check_summary_prints_each_models_filters_and_alias_params() -> None:
+    text = summary(load_config_text(K5_CONFIG, env={}))
+    assert (
+        "  m  (aliases: chat, chat-creative)\n"
+        "    filters: strip logprobs; default temperature=0.2; "
+        'set top_k=40, chat_template_kwargs={"enable_thinking": false}\n'
+        "    alias chat-creative: set temperature=1.1\n"
+    ) in text
+
+
+def test_K5_json_schema_takes_an_alias_as_a_name_or_an_object() -> None:
+    schema = json_schema()
+    aliases = schema["$defs"]["Model"]["properties"]["aliases"]
+    alias = schema["$defs"]["Alias"]
+    assert aliases["items"] == {"$ref": "#/$defs/Alias"}
+    assert alias["anyOf"][0] == {"type": "string", "minLength": 1}
+    assert set(alias["anyOf"][1]["properties"]) == {"name", "setParams"}
+    assert set(schema["$defs"]["Filters"]["properties"]) == {
+        "stripParams",
+        "setParams",
+        "defaultParams",
+    }

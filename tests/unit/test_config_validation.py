@@ -316,3 +316,60 @@ def test_cross_field_rules_still_run_when_the_schema_fails() -> None:
         "models.m.backends[0].maxConcurrent: expected a whole number, got text",
         "models.m.backends[0].server: unknown server 'box9' (did you mean 'box1'?); servers: box1",
     ]
+
+
+def test_K5_filters_never_touch_model_or_stream_each_with_its_path() -> None:
+    problems = problems_of(
+        """
+        models:
+          m:
+            aliases: [chat, {name: hot, setParams: {temperature: 1.1, stream: true}}]
+            filters:
+              stripParams: [logprobs, model]
+              setParams: {model: other, top_k: 40}
+              defaultParams: {stream: false, temperature: 0.2}
+            backends: [{proxy: 1}]
+        """
+    )
+    assert problems == [
+        "models.m.aliases[1].setParams.stream: 'stream' cannot be set by a filter: corrallm "
+        "reads it to relay and meter the answer; the caller decides",
+        "models.m.filters.stripParams[1]: 'model' cannot be stripped by a filter: corrallm "
+        "routes by it; a backend's own model: key names the model sent upstream",
+        "models.m.filters.setParams.model: 'model' cannot be set by a filter: corrallm "
+        "routes by it; a backend's own model: key names the model sent upstream",
+        "models.m.filters.defaultParams.stream: 'stream' cannot be defaulted by a filter: "
+        "corrallm reads it to relay and meter the answer; the caller decides",
+    ]
+
+
+def test_K5_filter_and_alias_shapes_are_checked_with_the_rest() -> None:
+    problems = problems_of(
+        """
+        models:
+          m:
+            aliases: [5, {nme: x}, {name: hot, stripParams: [x]}]
+            filters: {stripParams: model, setParam: {}}
+            backends: [{proxy: 1}]
+        """
+    )
+    assert problems == [
+        "models.m.aliases[0]: expected an alias name or a mapping such as "
+        "{name: chat-creative, setParams: {temperature: 1.1}}",
+        "models.m.aliases[1].name: missing required key",
+        "models.m.aliases[1].nme: unknown key (did you mean 'name'?)",
+        "models.m.aliases[2].stripParams: unknown key (did you mean 'setParams'?)",
+        "models.m.filters.stripParams: expected a list, got text",
+        "models.m.filters.setParam: unknown key (did you mean 'setParams'?)",
+    ]
+
+
+def test_K5_an_alias_object_collides_like_a_plain_alias() -> None:
+    problems = problems_of(
+        """
+        models:
+          a: {aliases: [chat], backends: [{proxy: 1}]}
+          b: {aliases: [{name: chat, setParams: {temperature: 1}}], backends: [{proxy: 2}]}
+        """
+    )
+    assert problems == ["models.b.aliases[0].name: alias 'chat' is also an alias of model 'a'"]

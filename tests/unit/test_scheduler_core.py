@@ -1,4 +1,4 @@
-"""S1-S5, S7, V2, F1: the pure scheduling core, by example. Each test is an event
+"""S1-S5, S7, V2, F1, K6: the pure scheduling core, by example. Each test is an event
 sequence with the clock passed in; the properties live in test_scheduler_properties.py."""
 
 from __future__ import annotations
@@ -39,8 +39,9 @@ def sub(
     now: float = 0.0,
     policy: Policy = QUEUE,
     tiers: Sequence[Sequence[str]] = (("b",),),
+    prefer: str | None = None,
 ) -> Decision:
-    return s.submit(Request(rid, group, now), tiers, policy, now)
+    return s.submit(Request(rid, group, now), tiers, policy, now, prefer)
 
 
 def serve_in_turn(s: Scheduler, running: int, usages: Sequence[float] = (), now: float = 0.0):
@@ -358,3 +359,49 @@ def test_F1_a_waiting_request_queues_on_the_least_waiting_backend_of_its_first_t
     decisions = [sub(s, rid, tiers=tier) for rid in (1, 2, 3, 4, 5)]
     assert [type(d).__name__ for d in decisions] == ["Admit"] * 2 + ["Queued"] * 3
     assert [d.backend for d in decisions[2:]] == ["b1", "b2", "b1"]  # type: ignore[union-attr]
+
+
+# -- K6 ---------------------------------------------------------------------------------
+
+EQUALS = (("b1", "b2", "b3"),)
+
+
+def test_K6_the_conversations_backend_is_taken_while_it_has_room_even_if_busier():
+    s = make(b1=4, b2=4, b3=4)
+    sub(s, 1, tiers=[["b3"]]), sub(s, 2, tiers=[["b3"]])
+    assert [sub(s, rid, tiers=EQUALS, prefer="b3") for rid in (3, 4)] == [
+        Admit(3, "b3"),
+        Admit(4, "b3"),
+    ]
+
+
+def test_K6_a_full_preferred_backend_falls_back_to_the_least_loaded_never_to_a_queue():
+    s = make(b1=1, b2=2, b3=2)
+    sub(s, 1, tiers=[["b1"]]), sub(s, 2, tiers=[["b2"]])
+    assert sub(s, 3, tiers=EQUALS, prefer="b1") == Admit(3, "b3")
+
+
+def test_K6_a_preferred_backend_whose_free_slots_are_leased_to_another_lane_is_not_taken():
+    s = make(LANE, OTHER, b1=1, b2=1)
+    s.lease("lane", "b1", 1, until=100.0, now=0.0)
+    assert sub(s, 1, "other", tiers=[["b1", "b2"]], prefer="b1") == Admit(1, "b2")
+
+
+def test_K6_a_preference_never_overrides_the_order_of_tiers():
+    s = make(a=1, b1=1, b2=1)
+    tiers = (("a",), ("b1", "b2"))
+    assert sub(s, 1, policy=Policy(spill=True), tiers=tiers, prefer="b2") == Admit(1, "a")
+    assert sub(s, 2, policy=Policy(spill=True), tiers=tiers, prefer="b2") == Admit(2, "b2")
+
+
+def test_K6_a_preference_for_a_backend_not_in_the_tiers_is_ignored():
+    s = make(b1=1, b2=1)
+    sub(s, 1, tiers=[["b1"]])
+    assert sub(s, 2, tiers=[["b1", "b2"]], prefer="gone") == Admit(2, "b2")
+
+
+def test_K6_when_every_equal_backend_is_full_it_queues_where_its_conversation_ran():
+    s = make(b1=1, b2=1)
+    sub(s, 1, tiers=[["b1"]]), sub(s, 2, tiers=[["b2"]])
+    decisions = [sub(s, rid, tiers=[["b1", "b2"]], prefer="b2") for rid in (3, 4)]
+    assert decisions == [Queued(3, "b2"), Queued(4, "b1")]  # but not behind a longer queue

@@ -1,10 +1,12 @@
-"""S2-S4, V2, F1: the scheduling core's invariants, by property (hypothesis).
+"""S2-S4, V2, F1, K6: the scheduling core's invariants, by property (hypothesis).
 
-A state machine drives random submits, releases, requeues, withdrawals, leases and clock
-ticks and checks after every step that no slot is double-booked, that leases hold, that
-no waiter is left behind beside a slot it may use, and that preemption only takes from
-lower-weight interruptible groups. Two simulations check fairshare: no starvation under
-sustained contention, and served shares converging to weight shares.
+A state machine drives random submits (some preferring a backend, as affinity does),
+releases, requeues, withdrawals, leases and clock ticks and checks after every step that
+no slot is double-booked, that leases hold, that no waiter is left behind beside a slot it
+may use, that preemption only takes from lower-weight interruptible groups, and that a
+preference never makes a request wait while an equal backend is free. Two simulations
+check fairshare: no starvation under sustained contention, and served shares converging
+to weight shares.
 """
 
 from __future__ import annotations
@@ -76,15 +78,28 @@ class SchedulerMachine(RuleBasedStateMachine):
             if b.running[victim].request.group in b.leases
         }
 
-    @rule(group=st.sampled_from(sorted(SPEC)), tiers=st.sampled_from(TIERS), policy=policies)
-    def submit(self, group, tiers, policy):
+    @rule(
+        group=st.sampled_from(sorted(SPEC)),
+        tiers=st.sampled_from(TIERS),
+        policy=policies,
+        prefer=st.sampled_from([None, "gone", *sorted(CAPACITY)]),
+    )
+    def submit(self, group, tiers, policy, prefer):
         self._before()
         rid = next(self.ids)
-        d = self.s.submit(Request(rid, group, self.now), tiers, policy, self.now)
+        # Where it may go at once: nobody waits beside a free slot (invariant below), so
+        # a backend with room for its lane is one it may enter now.
+        free = [{b for b in t if self.s.backends[b].room_for(group)} for t in tiers]
+        d = self.s.submit(Request(rid, group, self.now), tiers, policy, self.now, prefer)
         tier = next((i for i, t in enumerate(tiers) if d.backend in t), None)
         assert tier is not None
+        if free[0]:  # K6: a preference never makes it wait while an equal backend is free
+            assert isinstance(d, Admit) and d.backend in free[0], (d, free)
         if isinstance(d, Admit):
             assert tier == 0 or policy.spill  # F1: the next tier only with spill
+            assert d.backend in free[tier]
+            if prefer in free[tier]:
+                assert d.backend == prefer  # K6: its conversation's backend while it has room
             self.running[rid] = group
         elif isinstance(d, Preempt):
             assert policy.preempt and (tier == 0 or policy.spill)

@@ -1,0 +1,161 @@
+"""Feedback while waiting (SPEC §16 K4): a streamed request that waits for a cold start or
+in a queue gets its response headers early and an SSE comment line every so often, so
+chat UIs show why they wait and idle-timeout proxies keep the stream open.
+
+The pipeline says *when* and *what* (`Waiting.comment`); `SSEFeedback` is how an SSE
+surface says it: it opens the stream (200, `text/event-stream`) with the first comment,
+then relays the admitted backend's answer through `send` as if it had opened it itself.
+If the answer turns out not to be a stream (an upstream error), or the wait fails, the
+stream ends with the error as one `data:` event and `data: [DONE]`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+import orjson
+
+from corrallm.config.schema import Feedback
+from corrallm.proxy.asgi import Message, Send
+from corrallm.proxy.errors import ApiError
+
+SSE_HEADERS = [
+    (b"content-type", b"text/event-stream"),
+    (b"cache-control", b"no-cache"),
+    (b"x-accel-buffering", b"no"),  # nginx: do not buffer what is meant to trickle
+]
+WAITED = (b"x-corrallm-queue-ms", b"x-corrallm-load-ms")
+
+
+@dataclass(slots=True)
+class Waited:
+    """How long a request waited, in ms: for a slot, and for its backend to be ready."""
+
+    queue_ms: float = 0.0
+    load_ms: float = 0.0
+
+    def headers(self) -> dict[str, str]:
+        """`X-Corrallm-Queue-Ms` and `X-Corrallm-Load-Ms`, on every answer (K4)."""
+        return {
+            "x-corrallm-queue-ms": str(round(self.queue_ms)),
+            "x-corrallm-load-ms": str(round(self.load_ms)),
+        }
+
+
+class Waiting(Protocol):
+    """Where the pipeline tells a waiting client why it waits, and how long it has so far."""
+
+    async def comment(self, text: str, waited: Waited) -> None: ...
+
+
+class Narrator:
+    """Comments for one waiting request, `after` seconds from its arrival, then every
+    `every` seconds, across the phases it waits in (queued, then loading)."""
+
+    def __init__(self, waiting: Waiting, settings: Feedback, arrived: float) -> None:
+        self.waiting, self.settings = waiting, settings
+        self._next = arrived + settings.after
+
+    @contextlib.asynccontextmanager
+    async def during(
+        self, describe: Callable[[], str], waited: Callable[[], Waited]
+    ) -> AsyncIterator[None]:
+        """While the body waits, say `describe()` when it is time; stopped before the body
+        goes on, so that no comment is ever sent beside the answer."""
+        ticker = asyncio.create_task(self._tick(describe, waited))
+        try:
+            yield
+        finally:
+            ticker.cancel()
+            await asyncio.wait({ticker})
+
+    async def _tick(self, describe: Callable[[], str], waited: Callable[[], Waited]) -> None:
+        while True:
+            await asyncio.sleep(max(0.0, self._next - time.monotonic()))
+            self._next = time.monotonic() + self.settings.every
+            await self.waiting.comment(describe(), waited())
+
+
+def openai_error_event(error: ApiError) -> bytes:
+    """How an OpenAI stream ends in an error: the error object as data, then [DONE]."""
+    return b"data: " + orjson.dumps(error.body()) + b"\n\ndata: [DONE]\n\n"
+
+
+class SSEFeedback:
+    """An SSE answer whose headers may go out before the backend is reached; `error_event`
+    is how the surface's streams end in an error (OpenAI's by default)."""
+
+    def __init__(
+        self, send: Send, error_event: Callable[[ApiError], bytes] = openai_error_event
+    ) -> None:
+        self._send = send
+        self._error_event = error_event
+        self.opened = False  # our headers went out: the backend's must not
+        self._status = 200
+        self._sse = True
+        self._held: list[bytes] = []
+
+    async def comment(self, text: str, waited: Waited) -> None:
+        if not self.opened:
+            self.opened = True
+            # The wait so far; its total follows as a comment once it is over.
+            so_far = [(k.encode(), v.encode()) for k, v in waited.headers().items()]
+            headers = SSE_HEADERS + so_far
+            await self._send({"type": "http.response.start", "status": 200, "headers": headers})
+        line = b": " + text.replace("\n", " ").encode() + b"\n\n"
+        await self._send({"type": "http.response.body", "body": line, "more_body": True})
+
+    async def send(self, message: Message) -> None:
+        """The backend's answer, through a stream this may have opened already."""
+        if not self.opened:
+            await self._send(message)
+        elif message["type"] == "http.response.start":
+            self._status = message["status"]
+            self._sse = _is_sse(message["headers"])
+            waited = {k: v for k, v in message["headers"] if k in WAITED}
+            if waited:  # the headers went out before the wait was over: say it here
+                note = b"queue=%sms load=%sms" % (
+                    waited.get(b"x-corrallm-queue-ms", b"0"),
+                    waited.get(b"x-corrallm-load-ms", b"0"),
+                )
+                body = b": corrallm waited " + note + b"\n\n"
+                await self._send({"type": "http.response.body", "body": body, "more_body": True})
+        elif self._status == 200 and self._sse:
+            await self._send(message)
+        else:  # not a stream after all: the backend's answer becomes one error event
+            self._held.append(message.get("body", b""))
+            if not message.get("more_body", False):
+                await self.fail(_as_error(self._status, b"".join(self._held)))
+
+    async def fail(self, error: ApiError) -> None:
+        """The wait failed after the stream was opened: it ends with the error event."""
+        await self._send({"type": "http.response.body", "body": self._error_event(error)})
+
+
+def _is_sse(headers: list[tuple[bytes, bytes]]) -> bool:
+    return any(k == b"content-type" and v.startswith(b"text/event-stream") for k, v in headers)
+
+
+def _as_error(status: int, body: bytes) -> ApiError:
+    """The backend's non-stream answer as an error (its own words if it sent an error)."""
+    try:
+        answer = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        answer = None
+    error = answer.get("error") if isinstance(answer, dict) else None
+    if isinstance(error, dict) and isinstance(error.get("message"), str):
+        code = error.get("code")
+        return ApiError(
+            status, error["message"], code if isinstance(code, str) else "backend_error"
+        )
+    text = body[:500].decode("utf-8", "replace")
+    return ApiError(
+        502 if status < 400 else status,
+        f"the backend answered {status} instead of a stream: {text}",
+        "backend_error",
+    )
