@@ -78,7 +78,7 @@ async def serve(
     session = session_key(scope["headers"], chat or payload)
     inbound = Inbound(model, path, caller_key(scope), len(body), None, limit, session)
     # K4: a streamed request that waits is told why, on a stream opened early.
-    feedback = SSEFeedback(send) if stream else None
+    feedback = SSEFeedback(send, error_event) if stream else None
     out = send if feedback is None else feedback.send
     under_way: list[_Relay] = []  # the stream begun, for `preempted`
 
@@ -388,3 +388,15 @@ def final_usage(data: bytes) -> dict[str, Any] | None:
         if isinstance(usage, dict):
             return usage
     return None
+
+
+def error_event(error: ApiError) -> bytes:
+    """How a Responses stream opened early ends when its wait fails: an `error` event."""
+    event = {
+        "type": "error",
+        "code": error.code,
+        "message": error.message,
+        "param": error.param,
+        "sequence_number": 0,
+    }
+    return encode([event])
