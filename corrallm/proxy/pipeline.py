@@ -36,6 +36,7 @@ from corrallm.proxy.feedback import Narrator, Waited, Waiting
 from corrallm.proxy.forward import DisconnectWatch, new_session
 from corrallm.routing.router import Route, ServedModel
 from corrallm.scheduler.admission import Rejected, Ticket, retry_after_header
+from corrallm.scheduler.core import Scheduler
 
 
 @dataclass(slots=True)
@@ -189,9 +190,12 @@ class Pipeline:
         admission = gw.admission
         ticket: Ticket | None = None
         try:
+            note = _QueueNote(admission.core, tiers[0][0].id)
             ticket = await flight.queued(
-                admission.acquire(caller.group_name, caller.group, tiers, inbound.session),
-                self._queue_note(tiers[0][0].id),
+                admission.acquire(
+                    caller.group_name, caller.group, tiers, inbound.session, note.queued
+                ),
+                note,
             )
             while True:
                 if gw.stale(ticket.route):
@@ -202,9 +206,12 @@ class Pipeline:
                     ticket = None
                     served = self.lookup(served.name, reloaded=True)
                     tiers = served.tiers_for(caller.group, gw.placeable)
+                    note = _QueueNote(admission.core, tiers[0][0].id)
                     ticket = await flight.queued(
-                        admission.acquire(caller.group_name, caller.group, tiers, inbound.session),
-                        self._queue_note(tiers[0][0].id),
+                        admission.acquire(
+                            caller.group_name, caller.group, tiers, inbound.session, note.queued
+                        ),
+                        note,
                     )
                     continue
                 visit.admitted_mono = visit.admitted_mono or time.monotonic()
@@ -235,9 +242,8 @@ class Pipeline:
                         await flight.preempted(admitted)
                     return
                 # Only a delay for its client.
-                ticket = await flight.queued(
-                    admission.requeue(ticket, caller.group), self._queue_note(ticket.route.id)
-                )
+                note = _QueueNote(admission.core, ticket.route.id, ticket.id)
+                ticket = await flight.queued(admission.requeue(ticket, caller.group), note)
         except Rejected as exc:
             raise too_many_requests(exc) from None
         except asyncio.CancelledError:
@@ -253,19 +259,6 @@ class Pipeline:
 
     # -- what a waiting client is told (K4) ------------------------------------------
 
-    def _queue_note(self, backend: str) -> Callable[[], str]:
-        core = self.gw.admission.core
-
-        def note() -> str:
-            capacity, in_flight, waiting = core.load(backend)
-            eta = core.retry_after(backend)
-            return (
-                f"corrallm queued: {waiting} waiting for {capacity} slot"
-                f"{'s' if capacity != 1 else ''} of {backend} ({in_flight} busy), ~{eta:.0f}s"
-            )
-
-        return note
-
     def _load_note(self, route: Route) -> Callable[[], str]:
         began = time.monotonic()
         config = self.gw.config
@@ -280,6 +273,24 @@ class Pipeline:
             return f"corrallm loading {route.model}{where}: {time.monotonic() - began:.0f}s of {of}"
 
         return note
+
+
+class _QueueNote:
+    """What a queued client is told (K4): its place by arrival among those waiting for
+    the backend, and when a slot is expected (the measured average dwell)."""
+
+    def __init__(self, core: Scheduler, backend: str, request_id: int | None = None) -> None:
+        self.core, self.backend, self.request_id = core, backend, request_id
+
+    def queued(self, request_id: int) -> None:
+        self.request_id = request_id
+
+    def __call__(self) -> str:
+        place = None if self.request_id is None else self.core.position(self.request_id)
+        backend, position, waiting = place or (self.backend, None, self.core.load(self.backend)[2])
+        eta = self.core.retry_after(backend)
+        where = f"position {position} of {waiting}" if position else f"{waiting} waiting"
+        return f"corrallm queued: {where} for {backend}, ~{eta:.0f}s"
 
 
 @dataclass(slots=True)

@@ -105,10 +105,12 @@ class Admission:
         group: PriorityGroup | None,
         tiers: Sequence[Sequence[Route]],
         affinity: str | None = None,
+        on_queued: Callable[[int], None] | None = None,
     ) -> Ticket:
         """A slot on one backend of `tiers`, waiting for it if the policy says so.
         `affinity`: the request's session key (K6); its conversation's last backend is
-        preferred among equal ones while it has room."""
+        preferred among equal ones while it has room. `on_queued` hears the request's id
+        when it has to wait (to tell its client where it stands, K4)."""
         request = Request(next(self._ids), group_name, self.clock())
         policy = self._policy(group, tiers[0][0].config.type)
         # K6: one conversation's key is per served model (a session may span models).
@@ -132,6 +134,8 @@ class Admission:
         if isinstance(decision, Admit):
             return self._admitted(ticket, decision.backend)
         assert isinstance(decision, Queued | Preempt)
+        if on_queued is not None:
+            on_queued(request.id)
         return await self._wait(ticket, group, decision.backend)
 
     def release(self, ticket: Ticket, tokens: int = 0, dollars: float = 0.0) -> None:

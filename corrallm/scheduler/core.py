@@ -235,6 +235,19 @@ class Scheduler:
         b = self.backends[backend]
         return b.capacity, len(b.running), b.waiting
 
+    def position(self, request_id: int) -> tuple[str, int, int] | None:
+        """Where a queued request waits: (backend, its place by arrival, how many wait
+        there); None once it is no longer queued. Fairshare may serve another lane first:
+        the place is by arrival, what a waiting client is told (K4)."""
+        for backend in self.backends.values():
+            own = backend.queued.get(request_id)
+            if own is not None:
+                ahead = sum(
+                    1 for r in backend.queued.values() if (r.arrived, r.id) < (own.arrived, own.id)
+                )
+                return backend.id, ahead + 1, len(backend.queued)
+        return None
+
     def retry_after(self, backend: str) -> float:
         """Seconds a turned-away caller should wait: the measured average dwell (S5)."""
         b = self.backends[backend]

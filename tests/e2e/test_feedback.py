@@ -149,3 +149,25 @@ keys: {qkey: quiet}""",
         lines = [line for line in r.iter_lines() if line]
     assert not any(line.startswith(":") for line in lines) and answered > 1.5
     assert int(r.headers["x-corrallm-load-ms"]) >= 1500
+
+
+def test_K4_a_queued_streamed_request_is_told_its_place(gateway_factory):
+    gw = gateway_factory(cold("--latency", "3", feedback="feedback: {after: 500ms, every: 500ms}"))
+    gw.api("POST", "models/load", {"model": "m"})
+    holder = threading.Thread(
+        target=httpx.post,
+        args=(gw.v1 + "/chat/completions",),
+        kwargs={"json": CHAT, "timeout": 60},
+    )
+    holder.start()
+    wait_for(lambda: gw.overview_backend("m#0")["in_flight"] == 1, 10, what="slot held")
+    headers, lines = stream_lines(gw, {**CHAT, "stream": True})
+    holder.join(30)
+    queued = [line for _, line in lines if line.startswith(": corrallm queued")]
+    first_data = next(i for i, (_, line) in enumerate(lines) if line.startswith("data:"))
+    assert {
+        "told": queued[0].startswith(": corrallm queued: position 1 of 1 for m#0, ~"),
+        "before the answer": all(line.startswith(":") for _, line in lines[:first_data]),
+        "waited": int(headers["x-corrallm-queue-ms"]) >= 400,
+        "last": lines[-1][1],
+    } == {"told": True, "before the answer": True, "waited": True, "last": "data: [DONE]"}

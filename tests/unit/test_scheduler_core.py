@@ -405,3 +405,21 @@ def test_K6_when_every_equal_backend_is_full_it_queues_where_its_conversation_ra
     sub(s, 1, tiers=[["b1"]]), sub(s, 2, tiers=[["b2"]])
     decisions = [sub(s, rid, tiers=[["b1", "b2"]], prefer="b2") for rid in (3, 4)]
     assert decisions == [Queued(3, "b2"), Queued(4, "b1")]  # but not behind a longer queue
+
+
+# -- K4 ---------------------------------------------------------------------------------
+
+
+def test_K4_a_queued_request_knows_its_place_by_arrival_and_loses_it_once_admitted():
+    s = make(HI, LO, b=1)
+    sub(s, 1, "lo", 0.0)  # runs
+    sub(s, 2, "lo", 1.0)
+    sub(s, 3, "hi", 2.0)
+    sub(s, 4, "lo", 3.0)
+    before = [s.position(r) for r in (1, 2, 3, 4)]
+    s.release(1, 4.0)  # hi starts level with lo (nothing banked): a tie, the earlier goes
+    after = [s.position(r) for r in (2, 3, 4)]
+    assert (before, after) == (
+        [None, ("b", 1, 3), ("b", 2, 3), ("b", 3, 3)],
+        [None, ("b", 1, 2), ("b", 2, 2)],
+    )
