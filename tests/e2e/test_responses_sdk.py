@@ -34,7 +34,21 @@ models:
     backends:
       - cmd: "{fake_cmd("--tokens", "8", "--crash-after-tokens", "3")}"
         proxy: ${{PORT}}
+  tools:
+    backends:
+      - cmd: "{fake_cmd("--tokens", "6", "--tool-calls")}"
+        proxy: ${{PORT}}
 """
+WEATHER = {
+    "type": "function",
+    "name": "get_weather",
+    "description": "The weather in a city.",
+    "parameters": {
+        "type": "object",
+        "properties": {"city": {"type": "string"}},
+        "required": ["city"],
+    },
+}
 
 
 @pytest.fixture
@@ -142,6 +156,32 @@ def test_K2_state_and_built_in_tools_are_refused_for_a_chat_backend(client, gw, 
         client.responses.create(model="chat", input="Hi", **extra)
     assert words in caught.value.message
     assert caught.value.status_code == 400
+
+
+@pytest.mark.parametrize("streamed", [False, True], ids=["create", "stream"])
+def test_K2_a_function_call_round_trip(client, streamed):
+    ask = [{"role": "user", "content": "Weather in Paris?"}]
+    if streamed:
+        with client.responses.stream(model="tools", input=ask, tools=[WEATHER]) as stream:
+            kinds = [event.type for event in stream]
+            first = stream.get_final_response()
+        assert "response.function_call_arguments.delta" in kinds
+    else:
+        first = client.responses.create(model="tools", input=ask, tools=[WEATHER])
+    (call,) = [item for item in first.output if item.type == "function_call"]
+    assert (call.name, json.loads(call.arguments)) == ("get_weather", {"city": "fake"})
+    follow_up = [
+        *ask,
+        {
+            "type": "function_call",
+            "call_id": call.call_id,
+            "name": call.name,
+            "arguments": call.arguments,
+        },
+        {"type": "function_call_output", "call_id": call.call_id, "output": "Sunny, 21 C"},
+    ]
+    second = client.responses.create(model="tools", input=follow_up, tools=[WEATHER])
+    assert [item.type for item in second.output] == ["message"] and second.output_text
 
 
 def test_K2_an_unknown_model_is_the_sdks_not_found_error(client):
