@@ -23,8 +23,8 @@ import orjson
 
 from corrallm.cost.model import BYTES_PER_TOKEN
 from corrallm.lifecycle.addresses import origin, upstream_url
+from corrallm.proxy.anthropic_stream import EventStream
 from corrallm.proxy.anthropic_translate import (
-    EventStream,
     error_body,
     error_event,
     from_chat,

@@ -26,12 +26,11 @@ from corrallm.proxy.forward import DisconnectWatch, forward, request_headers
 from corrallm.proxy.inference import filtered, parse_request, upstream_body
 from corrallm.proxy.metering import Meter, split_events
 from corrallm.proxy.pipeline import Admitted, Inbound, Pipeline, caller_key
+from corrallm.proxy.responses_stream import StreamTranslator, encode
 from corrallm.proxy.responses_translate import (
     Echo,
     Refused,
-    StreamTranslator,
     check_request,
-    encode,
     to_chat,
     to_response,
 )

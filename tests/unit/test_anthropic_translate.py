@@ -7,9 +7,9 @@ from typing import Any
 import orjson
 import pytest
 
+from corrallm.proxy.anthropic_stream import EventStream
 from corrallm.proxy.anthropic_translate import (
     MAX_BLOCKS,
-    EventStream,
     error_body,
     error_shape,
     from_chat,

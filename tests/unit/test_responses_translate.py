@@ -9,13 +9,12 @@ import pytest
 from openai.types.responses import Response, ResponseStreamEvent
 from pydantic import TypeAdapter
 
+from corrallm.proxy.responses_stream import StreamTranslator, encode
 from corrallm.proxy.responses_translate import (
     MAX_INPUT_ITEMS,
     Echo,
     Refused,
-    StreamTranslator,
     check_request,
-    encode,
     to_chat,
     to_response,
 )
