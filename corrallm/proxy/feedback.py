@@ -20,9 +20,11 @@ from typing import Protocol
 
 import orjson
 
-from corrallm.config.schema import Feedback
+from corrallm.config.schema import Config, Feedback
 from corrallm.proxy.asgi import Message, Send
 from corrallm.proxy.errors import ApiError
+from corrallm.routing.router import Route
+from corrallm.scheduler.core import Scheduler
 
 SSE_HEADERS = [
     (b"content-type", b"text/event-stream"),
@@ -84,6 +86,40 @@ class Narrator:
 def openai_error_event(error: ApiError) -> bytes:
     """How an OpenAI stream ends in an error: the error object as data, then [DONE]."""
     return b"data: " + orjson.dumps(error.body()) + b"\n\ndata: [DONE]\n\n"
+
+
+class QueueNote:
+    """What a queued client is told (K4): its place by arrival among those waiting for
+    the backend, and when a slot is expected (the measured average dwell)."""
+
+    def __init__(self, core: Scheduler, backend: str, request_id: int | None = None) -> None:
+        self.core, self.backend, self.request_id = core, backend, request_id
+
+    def queued(self, request_id: int) -> None:
+        self.request_id = request_id
+
+    def __call__(self) -> str:
+        place = None if self.request_id is None else self.core.position(self.request_id)
+        backend, position, waiting = place or (self.backend, None, self.core.load(self.backend)[2])
+        eta = self.core.retry_after(backend)
+        where = f"position {position} of {waiting}" if position else f"{waiting} waiting"
+        return f"corrallm queued: {where} for {backend}, ~{eta:.0f}s"
+
+
+def load_note(route: Route, config: Config) -> Callable[[], str]:
+    """What a client waiting on a cold start is told (K4): how long so far, of how long
+    expected (the backend's last measured load, else `swap.loadSeconds`)."""
+    began = time.monotonic()
+    server = route.config.server or next(iter(config.servers), None)
+    where = f" on {server}" if server else ""
+    measured = getattr(route.endpoint, "last_load_seconds", None)
+    expected = measured if measured is not None else route.config.swap.load_seconds
+
+    def note() -> str:
+        of = f"~{expected:.0f}s expected" if expected else "unknown time expected"
+        return f"corrallm loading {route.model}{where}: {time.monotonic() - began:.0f}s of {of}"
+
+    return note
 
 
 class SSEFeedback:

@@ -32,11 +32,10 @@ from corrallm.lifecycle.supervisor import Cause
 from corrallm.proxy.asgi import Scope, header
 from corrallm.proxy.client import Client
 from corrallm.proxy.errors import RETIRED, ApiError, lifecycle_failure, not_found, unavailable
-from corrallm.proxy.feedback import Narrator, Waited, Waiting
+from corrallm.proxy.feedback import Narrator, QueueNote, Waited, Waiting, load_note
 from corrallm.proxy.forward import DisconnectWatch, new_session
 from corrallm.routing.router import Route, ServedModel
 from corrallm.scheduler.admission import Rejected, Ticket, retry_after_header
-from corrallm.scheduler.core import Scheduler
 
 
 @dataclass(slots=True)
@@ -190,7 +189,7 @@ class Pipeline:
         admission = gw.admission
         ticket: Ticket | None = None
         try:
-            note = _QueueNote(admission.core, tiers[0][0].id)
+            note = QueueNote(admission.core, tiers[0][0].id)
             ticket = await flight.queued(
                 admission.acquire(
                     caller.group_name, caller.group, tiers, inbound.session, note.queued
@@ -206,7 +205,7 @@ class Pipeline:
                     ticket = None
                     served = self.lookup(served.name, reloaded=True)
                     tiers = served.tiers_for(caller.group, gw.placeable)
-                    note = _QueueNote(admission.core, tiers[0][0].id)
+                    note = QueueNote(admission.core, tiers[0][0].id)
                     ticket = await flight.queued(
                         admission.acquire(
                             caller.group_name, caller.group, tiers, inbound.session, note.queued
@@ -222,7 +221,7 @@ class Pipeline:
                 admitted = Admitted(served, caller, ticket, visit, flight.waited)
                 try:
                     await flight.loading(
-                        enter_ready(ticket.route, cause), self._load_note(ticket.route)
+                        enter_ready(ticket.route, cause), load_note(ticket.route, gw.config)
                     )
                     try:
                         visit.status = await flight.work(admitted)
@@ -242,7 +241,7 @@ class Pipeline:
                         await flight.preempted(admitted)
                     return
                 # Only a delay for its client.
-                note = _QueueNote(admission.core, ticket.route.id, ticket.id)
+                note = QueueNote(admission.core, ticket.route.id, ticket.id)
                 ticket = await flight.queued(admission.requeue(ticket, caller.group), note)
         except Rejected as exc:
             raise too_many_requests(exc) from None
@@ -256,41 +255,6 @@ class Pipeline:
                 price = gw.ledger.price(visit)
                 tokens = visit.metered.tokens if visit.metered else 0
                 admission.release(ticket, tokens, price.cost_usd)
-
-    # -- what a waiting client is told (K4) ------------------------------------------
-
-    def _load_note(self, route: Route) -> Callable[[], str]:
-        began = time.monotonic()
-        config = self.gw.config
-        server = route.config.server or next(iter(config.servers), None)
-        where = f" on {server}" if server else ""
-        endpoint = route.endpoint
-        measured = getattr(endpoint, "last_load_seconds", None)
-        expected = measured if measured is not None else route.config.swap.load_seconds
-
-        def note() -> str:
-            of = f"~{expected:.0f}s expected" if expected else "unknown time expected"
-            return f"corrallm loading {route.model}{where}: {time.monotonic() - began:.0f}s of {of}"
-
-        return note
-
-
-class _QueueNote:
-    """What a queued client is told (K4): its place by arrival among those waiting for
-    the backend, and when a slot is expected (the measured average dwell)."""
-
-    def __init__(self, core: Scheduler, backend: str, request_id: int | None = None) -> None:
-        self.core, self.backend, self.request_id = core, backend, request_id
-
-    def queued(self, request_id: int) -> None:
-        self.request_id = request_id
-
-    def __call__(self) -> str:
-        place = None if self.request_id is None else self.core.position(self.request_id)
-        backend, position, waiting = place or (self.backend, None, self.core.load(self.backend)[2])
-        eta = self.core.retry_after(backend)
-        where = f"position {position} of {waiting}" if position else f"{waiting} waiting"
-        return f"corrallm queued: {where} for {backend}, ~{eta:.0f}s"
 
 
 @dataclass(slots=True)
