@@ -32,10 +32,15 @@ from corrallm.proxy.anthropic_translate import (
     to_chat,
 )
 from corrallm.proxy.asgi import Receive, Scope, Send, send_bytes
-from corrallm.proxy.client import Response, UpstreamTimeout
+from corrallm.proxy.client import Response
 from corrallm.proxy.errors import ApiError, bad_gateway, bad_request
 from corrallm.proxy.feedback import SSEFeedback
-from corrallm.proxy.forward import DisconnectWatch, request_headers, upstream_failure
+from corrallm.proxy.forward import (
+    DisconnectWatch,
+    open_upstream,
+    request_headers,
+    upstream_failure,
+)
 from corrallm.proxy.inference import parse_request, token_limit, upstream_body
 from corrallm.proxy.metering import MAX_METERED_BODY, Meter, split_events
 from corrallm.proxy.pipeline import Admitted, Inbound, Pipeline, caller_key, ready
@@ -153,7 +158,9 @@ async def _exchange(
     """One upstream exchange, its answer relayed (native) or translated (`stream` given)."""
     route, ticket = admitted.route, admitted.ticket
     idle = pipeline.gw.config.upstream_idle(route.config)
-    response = await _request(pipeline, url, data, headers, idle, route.id, meter)
+    response = await open_upstream(
+        pipeline.upstream, "POST", url, data, headers, idle, route.id, meter
+    )
     async with response:
         kind = response.content_type
         sse = kind == "text/event-stream"
@@ -185,26 +192,6 @@ async def _send_json(
     headers = [(b"content-type", b"application/json"), (b"content-length", b"%d" % len(body))]
     await send({"type": "http.response.start", "status": status, "headers": headers + extra})
     await send({"type": "http.response.body", "body": body})
-
-
-async def _request(
-    pipeline: Pipeline,
-    url: str,
-    data: bytes,
-    headers: list[tuple[str, str]],
-    idle: float | None,
-    backend: str,
-    meter: Meter | None,
-) -> Response:
-    try:
-        return await pipeline.upstream.request("POST", url, data, headers, idle)
-    except UpstreamTimeout as exc:
-        raise upstream_failure(meter, backend, exc) from None
-    except OSError as exc:
-        raise bad_gateway(
-            f"backend '{backend}' did not answer at {url}: {exc or type(exc).__name__}. "
-            "Check that it is running and listening on its proxy address."
-        ) from exc
 
 
 async def _whole(response: Response, meter: Meter | None, backend: str) -> bytes:
@@ -359,8 +346,8 @@ async def count_tokens(
             payload["model"] = route.config.model
         url = upstream_url(route.endpoint.base_url, "/v1/messages/count_tokens")
         headers = _headers(scope, route)
-        response = await _request(
-            pipeline, url, orjson.dumps(payload), headers, idle, route.id, None
+        response = await open_upstream(
+            pipeline.upstream, "POST", url, orjson.dumps(payload), headers, idle, route.id, None
         )
         async with response:
             answer = await _whole(response, None, route.id)

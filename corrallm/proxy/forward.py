@@ -147,15 +147,9 @@ async def forward(
     `meter.error` saying why. A failure before anything reached the client raises an
     `ApiError` (502 `backend_error` / 504 `upstream_timeout`) instead.
     """
-    try:
-        response = await client.request(scope["method"], url, body, headers, idle_timeout)
-    except UpstreamTimeout as exc:
-        raise upstream_failure(meter, backend_id, exc) from None
-    except OSError as exc:
-        raise bad_gateway(
-            f"backend '{backend_id}' did not answer at {url}: {exc or type(exc).__name__}. "
-            "Check that it is running and listening on its proxy address."
-        ) from exc
+    response = await open_upstream(
+        client, scope["method"], url, body, headers, idle_timeout, backend_id, meter
+    )
     async with response:
         raw = [(k.lower(), v) for k, v in response.raw_headers if k.lower() not in _DROP_RESPONSE]
         raw.extend(extra_response_headers)
@@ -276,6 +270,30 @@ async def _relay_events(
     watch.finishing = True
     await send({"type": "http.response.body", "body": b""})
     return status
+
+
+async def open_upstream(
+    client: Client,
+    method: str,
+    url: str,
+    body: bytes,
+    headers: list[tuple[str, str]],
+    idle_timeout: float | None,
+    backend_id: str,
+    meter: Meter | None,
+) -> Response:
+    """Send the request and wait for the answer's head; a backend that does not answer
+    is the caller's `ApiError` (502 `backend_error`, 504 `upstream_timeout`), every
+    surface alike."""
+    try:
+        return await client.request(method, url, body, headers, idle_timeout)
+    except UpstreamTimeout as exc:
+        raise upstream_failure(meter, backend_id, exc) from None
+    except OSError as exc:
+        raise bad_gateway(
+            f"backend '{backend_id}' did not answer at {url}: {exc or type(exc).__name__}. "
+            "Check that it is running and listening on its proxy address."
+        ) from exc
 
 
 def upstream_failure(meter: Meter | None, backend_id: str, exc: BaseException) -> ApiError:

@@ -19,10 +19,16 @@ import orjson
 
 from corrallm.lifecycle.addresses import upstream_url
 from corrallm.proxy.asgi import Receive, Scope, Send
-from corrallm.proxy.client import Response, UpstreamTimeout
+from corrallm.proxy.client import Response
 from corrallm.proxy.errors import ApiError, bad_gateway, bad_request
 from corrallm.proxy.feedback import SSEFeedback
-from corrallm.proxy.forward import DisconnectWatch, forward, request_headers
+from corrallm.proxy.forward import (
+    DisconnectWatch,
+    forward,
+    open_upstream,
+    request_headers,
+    upstream_failure,
+)
 from corrallm.proxy.inference import filtered, parse_request, upstream_body
 from corrallm.proxy.metering import Meter, split_events
 from corrallm.proxy.pipeline import Admitted, Inbound, Pipeline, caller_key
@@ -188,33 +194,12 @@ class _Relay:
         self, url: str, data: bytes, headers: list[tuple[str, str]], idle: float
     ) -> Response:
         backend = self.admitted.route.id
-        try:
-            return await self.pipeline.upstream.request("POST", url, data, headers, idle)
-        except UpstreamTimeout as exc:
-            raise self._failed(exc) from None
-        except OSError as exc:
-            raise bad_gateway(
-                f"backend '{backend}' did not answer at {url}: {exc or type(exc).__name__}. "
-                "Check that it is running and listening on its proxy address."
-            ) from exc
+        return await open_upstream(
+            self.pipeline.upstream, "POST", url, data, headers, idle, backend, self.meter
+        )
 
     def _failed(self, exc: BaseException) -> ApiError:
-        backend = self.admitted.route.id
-        if isinstance(exc, UpstreamTimeout):
-            error = ApiError(
-                504,
-                f"backend '{backend}' sent nothing for {exc.idle:g}s (timeouts.upstreamIdle); "
-                "it may be hung or overloaded. If it needs longer, raise timeouts.upstreamIdle.",
-                type="api_error",
-                code="upstream_timeout",
-            )
-        else:
-            error = bad_gateway(
-                f"backend '{backend}' broke off its answer: {exc or type(exc).__name__}. "
-                "Its log (GET /api/v1/models/logs) may say why."
-            )
-        self.meter.fail(error.status, f"{error.code}: {error.message}")
-        return error
+        return upstream_failure(self.meter, self.admitted.route.id, exc)
 
     async def _body(self, data: bytes, more: bool = True) -> None:
         self.sent += len(data)
