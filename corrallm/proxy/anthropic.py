@@ -126,14 +126,7 @@ async def serve(
         await send({"type": "http.response.body", "body": error_event(_PREEMPTED)})
 
     watch = DisconnectWatch(receive)
-    try:
-        await pipeline.run(inbound, work, watch, preempted, feedback)
-    except ApiError as exc:
-        if feedback is None or not feedback.opened:
-            raise
-        await feedback.fail(exc)  # the stream is open: the error is its last event
-    finally:
-        watch.close()
+    await pipeline.run_http(inbound, work, watch, preempted, feedback)
 
 
 def _response_headers(admitted: Admitted) -> list[tuple[bytes, bytes]]:

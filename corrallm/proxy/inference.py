@@ -186,14 +186,7 @@ async def serve_parsed(
         await send({"type": "http.response.body", "body": PREEMPTED_EVENT})
 
     watch = DisconnectWatch(receive)
-    try:
-        await pipeline.run(inbound, work, watch, preempted, feedback)
-    except ApiError as exc:
-        if feedback is None or not feedback.opened:
-            raise
-        await feedback.fail(exc)  # the stream is open: the error is its last event
-    finally:
-        watch.close()
+    await pipeline.run_http(inbound, work, watch, preempted, feedback)
 
 
 async def upstream(

@@ -32,7 +32,14 @@ from corrallm.lifecycle.supervisor import Cause
 from corrallm.proxy.asgi import Scope, header
 from corrallm.proxy.client import Client
 from corrallm.proxy.errors import RETIRED, ApiError, lifecycle_failure, not_found, unavailable
-from corrallm.proxy.feedback import Narrator, QueueNote, Waited, Waiting, load_note
+from corrallm.proxy.feedback import (
+    Narrator,
+    QueueNote,
+    SSEFeedback,
+    Waited,
+    Waiting,
+    load_note,
+)
 from corrallm.proxy.forward import DisconnectWatch, new_session
 from corrallm.routing.router import Route, ServedModel
 from corrallm.scheduler.admission import Rejected, Ticket, retry_after_header
@@ -178,6 +185,26 @@ class Pipeline:
             raise
         finally:
             gw.settle(visit)
+
+    async def run_http(
+        self,
+        inbound: Inbound,
+        work: Work,
+        watch: DisconnectWatch,
+        preempted: Preempted | None = None,
+        feedback: SSEFeedback | None = None,
+    ) -> None:
+        """`run()` for an HTTP surface: once done, the client's disconnect is no longer
+        watched; and a wait that fails after `feedback` opened the stream ends that stream
+        with the surface's error event (a second response cannot be sent)."""
+        try:
+            await self.run(inbound, work, watch, preempted, feedback)
+        except ApiError as exc:
+            if feedback is None or not feedback.opened:
+                raise
+            await feedback.fail(exc)
+        finally:
+            watch.close()
 
     async def _admit_and_work(self, served: ServedModel, flight: _Flight) -> None:
         gw, caller, visit, inbound = self.gw, flight.caller, flight.visit, flight.inbound

@@ -142,14 +142,7 @@ async def serve(
             await under_way[0].end("preempted", PREEMPTED)
 
     watch = DisconnectWatch(receive)
-    try:
-        await pipeline.run(inbound, work, watch, preempted, feedback)
-    except ApiError as exc:
-        if feedback is None or not feedback.opened:
-            raise
-        await feedback.fail(exc)  # the stream is open: the error is its last event
-    finally:
-        watch.close()
+    await pipeline.run_http(inbound, work, watch, preempted, feedback)
 
 
 def native_body(body: bytes, payload: dict[str, Any], route: Route) -> bytes:
