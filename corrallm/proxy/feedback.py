@@ -110,12 +110,12 @@ def load_note(route: Route, config: Config) -> Callable[[], str]:
     """What a client waiting on a cold start is told (K4): how long so far, of how long
     expected (the backend's last measured load, else `swap.loadSeconds`)."""
     began = time.monotonic()
-    server = route.config.server or next(iter(config.servers), None)
-    where = f" on {server}" if server else ""
-    measured = getattr(route.endpoint, "last_load_seconds", None)
-    expected = measured if measured is not None else route.config.swap.load_seconds
 
-    def note() -> str:
+    def note() -> str:  # worked out only when said: most requests never wait this long
+        server = route.config.server or next(iter(config.servers), None)
+        where = f" on {server}" if server else ""
+        measured = getattr(route.endpoint, "last_load_seconds", None)
+        expected = measured if measured is not None else route.config.swap.load_seconds
         of = f"~{expected:.0f}s expected" if expected else "unknown time expected"
         return f"corrallm loading {route.model}{where}: {time.monotonic() - began:.0f}s of {of}"
 
