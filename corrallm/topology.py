@@ -131,7 +131,8 @@ def _tenancy(config: Config, sup: Supervisor, spec: ProcessSpec, models: list[Mo
     any model it serves is. Without a server or ramUsage it takes no room but still expires
     by its sticky.ttl."""
     server = spec.server or (next(iter(config.servers)) if config.servers else None)
-    if not spec.ram_usage:
+    declared = spec.declared or {}
+    if not declared:
         server = None
     stickies = [m.sticky for m in models]
     ttls = [s.ttl for s in stickies if s is not None and s.ttl is not None]
@@ -139,7 +140,7 @@ def _tenancy(config: Config, sup: Supervisor, spec: ProcessSpec, models: list[Mo
     return Tenancy(
         sup,
         server,
-        dict(spec.ram_usage),
+        declared,
         pinned=any(m.persistent for m in models),
         # An extension expires only once every model it hosts would.
         ttl=max(ttls) if ttls and len(ttls) == len(models) else None,

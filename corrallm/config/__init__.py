@@ -118,8 +118,8 @@ def _process(spec: ProcessSpec) -> str:
     parts = []
     if spec.server:
         parts.append(f"on {spec.server}")
-    if spec.ram_usage:
-        parts.append(", ".join(f"{p} {format_size(n)}" for p, n in spec.ram_usage.items()))
+    if spec.declared:
+        parts.append(", ".join(f"{p} {format_size(n)}" for p, n in spec.declared.items()))
     if spec.supervision != "process":
         parts.append(f"supervision {spec.supervision}")
     if spec.cmd:

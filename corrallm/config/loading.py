@@ -35,7 +35,7 @@ from corrallm.config.validation import (
 # `$${X}` (escape) | `${X}` (reference); anything inside the braces is checked below.
 _REFERENCE = re.compile(r"\$(\$)?\{([^}]*)\}")
 _NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
-RESERVED_VARIABLES = frozenset({"PORT"})  # substituted per spawn by the lifecycle
+RESERVED_VARIABLES = frozenset({"PORT", "GPU"})  # substituted per spawn by the lifecycle
 
 
 class ConfigError(Exception):
@@ -313,7 +313,14 @@ def _schema_message(error: Mapping[str, Any]) -> str:
 
 def schema_problems(exc: ValidationError) -> list[Problem]:
     """Pydantic's errors, located and reworded for a person."""
-    return [(tuple(e["loc"]), _schema_message(e)) for e in exc.errors(include_url=False)]
+    return [(_located(e["loc"]), _schema_message(e)) for e in exc.errors(include_url=False)]
+
+
+def _located(loc: Sequence[str | int]) -> Loc:
+    """The YAML path of an error: without the schema's union tags (`<sizes>`, `<auto>`)."""
+    return tuple(
+        p for p in loc if not (isinstance(p, str) and p.startswith("<") and p.endswith(">"))
+    )
 
 
 # -- public ---------------------------------------------------------------------------

@@ -15,7 +15,9 @@ from pydantic import (
     BaseModel,
     BeforeValidator,
     ConfigDict,
+    Discriminator,
     Field,
+    Tag,
     WithJsonSchema,
     model_validator,
 )
@@ -91,6 +93,26 @@ ProxyTarget = Annotated[
 ]
 
 PORT_PLACEHOLDER = "${PORT}"
+GPU_PLACEHOLDER = "${GPU}"
+# In `ramUsage`, the pool word that means "whichever of the server's `gpus` it is placed on".
+ANY_GPU = "gpu"
+
+
+def _ram_usage_kind(value: object) -> str:
+    return "<auto>" if isinstance(value, str) else "<sizes>"
+
+
+# A declared footprint, `auto` (estimate it from the model file), or None (omitted: `auto`
+# where a llama-server cmd names a GGUF on a server with pools, else no room at all). The
+# tags (`<…>`, dropped from error paths by the loader) keep a bad size reported once, at
+# its own key, rather than once per union member.
+RamUsage = (
+    Annotated[
+        Annotated[dict[str, Size], Tag("<sizes>")] | Annotated[Literal["auto"], Tag("<auto>")],
+        Discriminator(_ram_usage_kind),
+    ]
+    | None
+)
 
 
 class Section(BaseModel):
@@ -116,11 +138,31 @@ class CommandCost(Section):
 class Server(Section):
     pools: dict[str, Size] = Field(default_factory=dict, description="capacity vector")
     reserve: dict[str, Size] = Field(default_factory=dict, description="never handed out")
+    gpus: list[str] = Field(
+        default_factory=list,
+        description="interchangeable GPU pools; a backend asking for `gpu` runs on one of "
+        "them (SPEC §17 M3)",
+    )
 
 
 class Health(Section):
     path: str = "/health"
     expect_status: list[int] = Field(default_factory=lambda: [200], min_length=1)
+    interval: Duration = Field(
+        10.0, gt=0, description="how often a ready backend is probed (SPEC §17 M4)"
+    )
+    failures: int = Field(
+        3, ge=1, description="consecutive failed probes that mark a ready backend failed"
+    )
+    stall_timeout: Duration = Field(
+        60.0,
+        gt=0,
+        description="a start fails once the backend has written nothing and its health "
+        "answer has not changed for this long (SPEC §17 M5)",
+    )
+    start_timeout: Duration | None = Field(
+        None, gt=0, description="hard cap on a start; overrides --health-timeout"
+    )
 
 
 class Swap(Section):
@@ -142,7 +184,12 @@ class ProcessSpec(Section):
     cmd: str | None = None
     proxy: ProxyTarget = Field(None, description="port on 127.0.0.1, URL, or ${PORT}")
     server: str | None = None
-    ram_usage: dict[str, Size] = Field(default_factory=dict)
+    ram_usage: RamUsage = Field(
+        None,
+        description="bytes per pool ({gpu0: 20GB, system: 4GB}; `gpu` for any of the "
+        "server's `gpus`), or `auto`: estimated from the GGUF file of a llama-server `cmd`, "
+        "which is also what an omitted ramUsage means there (SPEC §17 M1)",
+    )
     swap: Swap = Field(default_factory=Swap)
     health: Health = Field(default_factory=Health)
     env: dict[str, Text] = Field(default_factory=dict)
@@ -152,6 +199,11 @@ class ProcessSpec(Section):
     docker_container: str | None = None
     systemd_unit: str | None = None
     stop_grace: Duration = 10.0
+
+    @property
+    def declared(self) -> dict[str, int] | None:
+        """What the config declares per pool; None when ramUsage is `auto` or omitted."""
+        return dict(self.ram_usage) if isinstance(self.ram_usage, dict) else None
 
     @model_validator(mode="before")
     @classmethod

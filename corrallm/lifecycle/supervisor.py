@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from corrallm.config.schema import PORT_PLACEHOLDER, ProcessSpec
+from corrallm.config.schema import GPU_PLACEHOLDER, PORT_PLACEHOLDER, ProcessSpec
 from corrallm.lifecycle import supervision
 from corrallm.lifecycle.addresses import free_port, origin, port_of, resolve_url
 from corrallm.lifecycle.errors import (
@@ -36,7 +36,17 @@ from corrallm.lifecycle.state import BUSY, State, check_transition
 from corrallm.lifecycle.transitions import Transitions
 
 Probe = Callable[[str], Awaitable[int | None]]
-Room = Callable[["Supervisor"], Awaitable[None]]
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where the memory planner put a start: the GPU it runs on (its index, as text), which
+    becomes `${GPU}` in its cmd and env and its CUDA_VISIBLE_DEVICES (SPEC §17 M3)."""
+
+    gpu: str | None = None
+
+
+Room = Callable[["Supervisor"], Awaitable[Placement]]
 Sleep = Callable[[float], Coroutine[Any, Any, None]]
 # Who asked for a start, charged for its load energy: (key name, group, model).
 Cause = tuple[str | None, str, str]
@@ -87,6 +97,7 @@ class Supervisor:
     port: int | None = None
     base_url: str = ""
     proc: Spawned | None = None
+    placement: Placement = field(default_factory=Placement)  # of the latest start
 
     def __post_init__(self) -> None:
         assert self.spec.proxy is not None, "validated config"
@@ -251,13 +262,15 @@ class Supervisor:
         try:
             if self._predecessor is not None:
                 await asyncio.shield(self._predecessor)
+            placement = Placement()
             if self.room is not None:
                 try:
-                    await self.room(self)
+                    placement = await self.room(self)
                 except LifecycleError:
                     self._move(State.STOPPED)
                     raise
-            await self._spawn_and_wait()
+            self.placement = placement
+            await self._spawn_and_wait(placement)
         except asyncio.CancelledError:
             self._move(State.STOPPING)
             if self.proc is not None:
@@ -267,13 +280,18 @@ class Supervisor:
             self._move(State.STOPPED)
             raise
 
-    async def _spawn_and_wait(self) -> None:
+    async def _spawn_and_wait(self, placement: Placement) -> None:
         assert self.spec.proxy is not None
         proxy = self.spec.proxy
         self.port = free_port() if PORT_PLACEHOLDER in proxy else port_of(proxy)
         self.base_url = resolve_url(proxy, self.port)
-        cmd = self.spec.cmd.replace(PORT_PLACEHOLDER, str(self.port)) if self.spec.cmd else None
-        env = {k: v.replace(PORT_PLACEHOLDER, str(self.port)) for k, v in self.spec.env.items()}
+        values = {PORT_PLACEHOLDER: str(self.port)}
+        env: dict[str, str] = {}
+        if placement.gpu is not None:
+            values[GPU_PLACEHOLDER] = placement.gpu
+            env["CUDA_VISIBLE_DEVICES"] = placement.gpu
+        cmd = _substitute(self.spec.cmd, values) if self.spec.cmd else None
+        env.update({k: _substitute(v, values) for k, v in self.spec.env.items()})
         plan = self._strategy = supervision.strategy(self.spec, cmd)
         self.logs.open()
         self.logs.note(f"starting: {plan.describe()} (supervision: {self.spec.supervision})")
@@ -473,6 +491,12 @@ async def _first(exited: asyncio.Future[int], pause: Coroutine[Any, Any, None]) 
         await asyncio.wait(either, return_when=asyncio.FIRST_COMPLETED)
     finally:
         sleeper.cancel()
+
+
+def _substitute(text: str, values: dict[str, str]) -> str:
+    for placeholder, value in values.items():
+        text = text.replace(placeholder, value)
+    return text
 
 
 def _retrieve(task: asyncio.Task[None]) -> None:

@@ -19,7 +19,7 @@ from corrallm.config.schema import Server
 from corrallm.config.units import format_size
 from corrallm.lifecycle.errors import LifecycleError
 from corrallm.lifecycle.state import State
-from corrallm.lifecycle.supervisor import Supervisor
+from corrallm.lifecycle.supervisor import Placement, Supervisor
 from corrallm.lifecycle.transitions import Transitions
 from corrallm.residency.measure import MemoryReader
 from corrallm.residency.planner import Plan, Resident, plan
@@ -119,18 +119,18 @@ class Residency:
             return True
         return self._plan(tenancy).fits
 
-    async def make_room(self, sup: Supervisor) -> None:
+    async def make_room(self, sup: Supervisor) -> Placement:
         """The supervisor's `room` seam: return once `sup` fits, evicting as planned (R2)."""
         tenancy = self.tenancies.get(sup.id)
         if tenancy is None or tenancy.server is None:
-            return
+            return Placement()
         deadline = self.clock() + self.max_wait
         lock = self._locks.setdefault(tenancy.server, asyncio.Lock())
         async with lock:
             while True:
                 decision = self._plan(tenancy)
                 if decision.fits and not decision.evict:
-                    return
+                    return Placement()
                 if decision.fits:
                     await self._evict(tenancy, decision.evict)
                     continue
