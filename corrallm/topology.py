@@ -137,10 +137,11 @@ def _tenancy(config: Config, sup: Supervisor, spec: ProcessSpec, models: list[Mo
     stickies = [m.sticky for m in models]
     ttls = [s.ttl for s in stickies if s is not None and s.ttl is not None]
     costs = [s.evict_cost for s in stickies if s is not None]
+    sup.keep_alive = any(m.persistent for m in models)  # M4: restarted after it fails
     return Tenancy(
         sup,
         server,
-        declared,
+        declared=spec.declared,
         pinned=any(m.persistent for m in models),
         # An extension expires only once every model it hosts would.
         ttl=max(ttls) if ttls and len(ttls) == len(models) else None,

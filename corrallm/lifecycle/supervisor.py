@@ -91,6 +91,7 @@ class Supervisor:
     last_error: str | None = None
     last_load_seconds: float | None = None
     retired: bool = False  # removed or replaced by a config reload: never started again
+    keep_alive: bool = False  # persistent (R3): restarted, with back-off, after it fails (M4)
     started_for: Cause | None = None
     failures: int = 0
     retry_at: float = 0.0

@@ -11,11 +11,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
-from corrallm.config.schema import Server
+from corrallm.config.schema import ANY_GPU, Server
 from corrallm.config.units import format_size
 from corrallm.lifecycle.errors import LifecycleError
 from corrallm.lifecycle.state import State
@@ -26,6 +27,7 @@ from corrallm.residency.planner import Plan, Resident, plan
 
 log = logging.getLogger("corrallm.residency")
 
+MEASURED_MARGIN = 1.05  # M2: a measured footprint is planned with 5 % headroom
 HOLDING = frozenset({State.STARTING, State.READY, State.DRAINING, State.STOPPING})
 
 
@@ -35,15 +37,40 @@ class NoRoom(LifecycleError):
 
 @dataclass
 class Tenancy:
-    """What a supervised process asks of a server's pools, and how it may be evicted."""
+    """What a supervised process asks of a server's pools, and how it may be evicted.
+
+    Planning uses `usage` (SPEC §17 M2): the declared footprint, else the estimate from the
+    model file, raised per pool to what was measured of the process × 1.05. A footprint may
+    name the pool `gpu` (any of the server's `gpus`, M3): `placed` says which one the
+    current process was given."""
 
     supervisor: Supervisor
     server: str | None  # None: it takes no room in any pool (only its ttl matters)
-    usage: dict[str, int]
+    declared: dict[str, int] | None = None  # ramUsage as written in the config
+    estimated: dict[str, int] | None = None  # from the GGUF file (ramUsage auto/omitted)
     pinned: bool = False
     ttl: float | None = None
     evict_cost: str = "medium"
-    measured: dict[str, int] | None = None
+    measured: dict[str, int] | None = None  # learned: this process, or an earlier one
+    gpus: tuple[str, ...] = ()  # the server's interchangeable GPU pools
+    placed: str | None = None  # the GPU pool the current process runs on
+
+    @property
+    def wanted(self) -> dict[str, int]:
+        """Declared, else estimated; may still name the placeholder pool `gpu`."""
+        if self.declared is not None:
+            return self.declared
+        return self.estimated or {}
+
+    @property
+    def usage(self) -> dict[str, int]:
+        """What planning counts now, per concrete pool."""
+        usage = dict(self.wanted)
+        if ANY_GPU in usage and self.placed is not None:
+            usage[self.placed] = usage.pop(ANY_GPU)
+        for pool, held in (self.measured or {}).items():
+            usage[pool] = max(usage.get(pool, 0), math.ceil(held * MEASURED_MARGIN))
+        return usage
 
     def resident(self, now: float) -> Resident:
         sup = self.supervisor

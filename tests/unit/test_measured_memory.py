@@ -33,7 +33,7 @@ def setup(tmp_path, held: dict[str, int]) -> tuple[Residency, Supervisor, FakeRe
     residency = Residency({"box": Server(pools={"gpu0": 32 * GB})}, reader=reader)
     sup = Supervisor("m#0", Backend(cmd="x", proxy="${PORT}"), probe, tmp_path)
     sup.proc = SimpleNamespace(pid=4242)  # type: ignore[assignment]
-    residency.track(Tenancy(sup, "box", {"gpu0": 10 * GB}))
+    residency.track(Tenancy(sup, "box", declared={"gpu0": 10 * GB}))
     return residency, sup, reader
 
 
