@@ -244,7 +244,7 @@ class Residency:
         measured = await asyncio.to_thread(self.reader.read, sup.pid)
         tenancy.measured = measured
         for pool, real in (measured or {}).items():
-            declared = tenancy.usage.get(pool, 0)
+            declared = (tenancy.declared or {}).get(pool, 0)
             if declared == 0 or abs(real - declared) > 0.10 * declared:
                 log.warning(
                     "ramUsage mismatch backend=%s pool=%s declared=%s measured=%s: "
