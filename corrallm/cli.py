@@ -25,11 +25,14 @@ def _load(config: Path | None) -> tuple[Config, Path | None]:
     """The config named, else ./corrallm.yaml, else the packaged demo; exit 1 listing
     every problem if it is invalid."""
     from corrallm.config import ConfigError, load_config, load_demo_config
+    from corrallm.residency.footprints import footprint_problems
 
     local = Path("corrallm.yaml")
     path = config or (local if local.exists() else None)
     try:
-        return (load_config(path) if path else load_demo_config()), path
+        if path is None:
+            return load_demo_config(), None
+        return load_config(path, checks=[footprint_problems]), path
     except ConfigError as exc:
         typer.echo(exc.report(), err=True)
         raise typer.Exit(1) from exc
@@ -126,10 +129,17 @@ def check(
 ) -> None:
     """Validate a config; print a summary, or every problem and exit non-zero."""
     from corrallm.config import summary
+    from corrallm.residency.footprints import estimate_footprints
     from corrallm.tools.environment import probe, report, warnings
 
     cfg, _ = _load(config)
     typer.echo(summary(cfg))
+    footprints = estimate_footprints(cfg)[0]
+    if footprints:
+        typer.echo("\nmemory estimates (SPEC §17 M1; ramUsage auto or omitted):")
+        for sid, footprint in footprints.items():
+            typer.echo(f"  {sid}:")
+            typer.echo("\n".join(f"    {line}" for line in footprint.describe()))
     env = probe()
     typer.echo("\n" + report(env))
     for warning in warnings(cfg, env):

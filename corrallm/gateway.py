@@ -35,8 +35,9 @@ from corrallm.lifecycle.recovery import recover
 from corrallm.lifecycle.supervisor import Supervisor
 from corrallm.lifecycle.transitions import Transitions
 from corrallm.metrics import Metrics
+from corrallm.residency.footprints import estimate_footprints
 from corrallm.residency.manager import Residency
-from corrallm.residency.measure import nvml_reader
+from corrallm.residency.measure import memory_reader
 from corrallm.routing.router import Route, ServedModel
 from corrallm.scheduler.admission import Admission
 from corrallm.store.activity import ActivityLog
@@ -80,7 +81,9 @@ class Gateway:
         self.economics = Economics(
             self.bus, self.store, self.residency, lambda: self.config.ledger.gpu_hour_price
         )
-        self.topology = build(config, self._new_supervisor)
+        self.topology = build(
+            config, self._new_supervisor, footprints=estimate_footprints(config)[0]
+        )
         self.admission = Admission(config, self.routes)
         self.pauses = Pauses(self.store, self.topology.pausables())
         self.telemetry = Telemetry(
@@ -131,7 +134,9 @@ class Gateway:
         in, and hand its parts to the long-lived owners. Returns the topology it replaced;
         retiring the processes that left it is the caller's (reload.py)."""
         previous = self.topology
-        topology = build(config, self._new_supervisor, previous.supervisors)
+        topology = build(
+            config, self._new_supervisor, previous.supervisors, estimate_footprints(config)[0]
+        )
         self.topology = topology
         self.version += 1
         self.ledger.reconfigure(config)
@@ -176,9 +181,10 @@ class Gateway:
     async def start(self) -> None:
         self.probe.open()
         await self.store.open()
+        await self.residency.restore(self.store)  # M2: what earlier runs measured
         await self.ledger.restore(self.store)
         await self.economics.start()
-        self.residency.reader = await asyncio.to_thread(nvml_reader)
+        self.residency.reader = await asyncio.to_thread(memory_reader)
         await recover(self.home, self.supervisors)
         await self.pauses.restore()
         self.preload()
@@ -199,6 +205,7 @@ class Gateway:
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*(sup.stop() for sup in self.supervisors.values()))
+        await self.residency.close()
         try:
             await self.economics.stop()
         finally:

@@ -54,6 +54,7 @@ class Metrics:
         self.transitions: Counter[tuple[str, str, str]] = Counter()
         self.loads: Counter[str] = Counter()
         self.load_seconds: defaultdict[str, float] = defaultdict(float)
+        self.failures: Counter[tuple[str, str]] = Counter()  # (backend, reason): M4, L3, M5
         self._registry = CollectorRegistry(auto_describe=False)
         self._registry.register(self)
 
@@ -77,6 +78,8 @@ class Metrics:
         if old is State.STARTING and new is State.READY and sup.last_load_seconds is not None:
             self.loads[sup.id] += 1
             self.load_seconds[sup.id] += sup.last_load_seconds
+        if new is State.FAILED:
+            self.failures[(sup.id, sup.failure_reason or "start_exited")] += 1
 
     def render(self) -> bytes:
         return generate_latest(self._registry)
@@ -110,6 +113,13 @@ class Metrics:
         )
         yield _counter(
             "corrallm_backend_loads", "Completed backend starts", ["backend"], self.loads
+        )
+        yield _counter(
+            "corrallm_backend_failures",
+            "Backends marked failed, by reason: exited or unresponsive once ready (M4); "
+            "start_exited, start_timeout or stalled while starting (L3, M5)",
+            ["backend", "reason"],
+            self.failures,
         )
         yield _counter(
             "corrallm_backend_load_seconds",
@@ -154,6 +164,30 @@ class Metrics:
                 pools.add_metric([name, pool, "reserve"], server.reserve.get(pool, 0))
                 pools.add_metric([name, pool, "used"], used.get(pool, 0))
         yield pools
+        yield _backend_memory(self.gateway.residency)
+
+
+def _backend_memory(residency: Residency) -> GaugeMetricFamily:
+    """SPEC §17 M2: each backend's footprint per pool, as declared, estimated, measured and
+    planned (what eviction counts now); a kind it has not is absent."""
+    family = GaugeMetricFamily(
+        "corrallm_backend_memory_bytes",
+        "Backend memory by pool: declared, estimated, measured, planned",
+        labels=["backend", "pool", "kind"],
+    )
+    for backend, tenancy in residency.tenancies.items():
+        if tenancy.server is None:
+            continue
+        kinds = (
+            ("declared", tenancy.declared),
+            ("estimated", tenancy.estimated),
+            ("measured", tenancy.measured_here),
+            ("planned", tenancy.usage),
+        )
+        for kind, vector in kinds:
+            for pool, size in sorted((vector or {}).items()):
+                family.add_metric([backend, pool, kind], size)
+    return family
 
 
 def _counter(

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from corrallm.config import Config, load_config, load_demo_config
 from corrallm.gateway import Gateway
 from corrallm.lifecycle.state import State
+from corrallm.residency.footprints import footprint_problems
 
 log = logging.getLogger("corrallm.reload")
 
@@ -32,7 +33,7 @@ class Report:
 def read_config(gateway: Gateway) -> Config:
     """The config file gateway was started with, read anew (ConfigError if it is bad)."""
     path = gateway.config_path
-    return load_config(path) if path else load_demo_config()
+    return load_config(path, checks=[footprint_problems]) if path else load_demo_config()
 
 
 async def reload(gateway: Gateway, config: Config) -> Report:

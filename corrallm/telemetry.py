@@ -83,16 +83,16 @@ class Telemetry:
             # C1: a finished start costs its load energy, charged to whoever caused it.
             self.ledger.load(sup.spec, sup.id, sup.last_load_seconds, sup.started_for)
         self.metrics.transition(sup, old, new)
-        self.events.publish(
-            "lifecycle",
-            {
-                "backend": sup.id,
-                "models": self._models_of(sup),
-                "old": str(old),
-                "new": str(new),
-                "pid": sup.pid,
-            },
-        )
+        event = {
+            "backend": sup.id,
+            "models": self._models_of(sup),
+            "old": str(old),
+            "new": str(new),
+            "pid": sup.pid,
+        }
+        if new is State.FAILED:  # why (M4, L3, M5): the metric's reason and the message
+            event["reason"], event["error"] = sup.failure_reason, sup.last_error
+        self.events.publish("lifecycle", event)
 
     def _line(self, backend: str, text: str) -> None:
         self.events.publish("log", {"backend": backend, "line": text})

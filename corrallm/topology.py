@@ -15,11 +15,12 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 from corrallm.config import Config, backend_id
-from corrallm.config.schema import Model, PriorityGroup, ProcessSpec
+from corrallm.config.schema import ANY_GPU, Model, PriorityGroup, ProcessSpec
 from corrallm.lifecycle.addresses import resolve_url
 from corrallm.lifecycle.pauses import Kind, Pausable
 from corrallm.lifecycle.remote import RemoteEndpoint
 from corrallm.lifecycle.supervisor import Supervisor
+from corrallm.residency.footprints import Footprint
 from corrallm.residency.manager import Tenancy
 from corrallm.routing.filters import filters_of
 from corrallm.routing.router import Endpoint, Route, ServedModel
@@ -85,10 +86,15 @@ class Topology:
 
 
 def build(
-    config: Config, make: MakeSupervisor, previous: Mapping[str, Supervisor] | None = None
+    config: Config,
+    make: MakeSupervisor,
+    previous: Mapping[str, Supervisor] | None = None,
+    footprints: Mapping[str, Footprint] | None = None,
 ) -> Topology:
-    """The topology of `config`, keeping the supervisor of every unchanged process."""
+    """The topology of `config`, keeping the supervisor of every unchanged process;
+    `footprints` are the estimates of backends whose ramUsage is auto or omitted (M1)."""
     kept = previous or {}
+    estimated = footprints or {}
     topo = Topology(config)
 
     def supervisor(sid: str, spec: ProcessSpec) -> Supervisor:
@@ -110,7 +116,9 @@ def build(
                 endpoint = topo.extensions[backend.extension]
             elif backend.cmd or backend.supervision in ("docker", "systemd"):
                 endpoint = supervisor(bid, backend)
-                topo.tenancies.append(_tenancy(config, endpoint, backend, [model]))
+                topo.tenancies.append(
+                    _tenancy(config, endpoint, backend, [model], estimated.get(bid))
+                )
             else:
                 assert backend.proxy is not None, "validated config"
                 endpoint = RemoteEndpoint(bid, resolve_url(backend.proxy, None))
@@ -122,18 +130,28 @@ def build(
         for key in (name, *model.aliases):
             topo.models[key] = served
     for name, sup in topo.extensions.items():
-        topo.tenancies.append(_tenancy(config, sup, config.extensions[name], topo.hosted_by(name)))
+        spec = config.extensions[name]
+        footprint = estimated.get(sup.id)
+        topo.tenancies.append(_tenancy(config, sup, spec, topo.hosted_by(name), footprint))
     return topo
 
 
-def _tenancy(config: Config, sup: Supervisor, spec: ProcessSpec, models: list[Model]) -> Tenancy:
-    """What the process asks of its server's pools (R1) and how it idles out (R4); pinned if
-    any model it serves is. Without a server or ramUsage it takes no room but still expires
-    by its sticky.ttl."""
+def _tenancy(
+    config: Config,
+    sup: Supervisor,
+    spec: ProcessSpec,
+    models: list[Model],
+    footprint: Footprint | None,
+) -> Tenancy:
+    """What the process asks of its server's pools (R1, M1) and how it idles out (R4);
+    pinned if any model it serves is. Without a server or a footprint (declared or
+    estimated) it takes no room but still expires by its sticky.ttl."""
     server = spec.server or (next(iter(config.servers)) if config.servers else None)
-    declared = spec.declared or {}
-    if not declared:
+    estimated = footprint.usage if footprint is not None else None
+    wanted = spec.declared if spec.declared is not None else estimated
+    if not wanted:
         server = None
+    gpus = config.servers[server].gpus if server and ANY_GPU in (wanted or {}) else []
     stickies = [m.sticky for m in models]
     ttls = [s.ttl for s in stickies if s is not None and s.ttl is not None]
     costs = [s.evict_cost for s in stickies if s is not None]
@@ -142,8 +160,10 @@ def _tenancy(config: Config, sup: Supervisor, spec: ProcessSpec, models: list[Mo
         sup,
         server,
         declared=spec.declared,
+        estimated=estimated,
         pinned=any(m.persistent for m in models),
         # An extension expires only once every model it hosts would.
         ttl=max(ttls) if ttls and len(ttls) == len(models) else None,
         evict_cost=max(costs, key=EVICT_COSTS.index, default="medium"),
+        gpus=tuple(gpus),
     )

@@ -112,11 +112,32 @@ class Overview(BaseModel):
     servers: list[ServerView]
 
 
+Footprint = dict[str, int]  # bytes per pool
+
+
 class ResidentView(BaseModel):
     backend: str
     state: str
-    ram_usage: dict[str, int]
-    measured: dict[str, int] | None = Field(description="bytes NVML reports; null without NVML")
+    pid: int | None = Field(description="the backend's process; null while it has none")
+    ram_usage: Footprint = Field(
+        description="bytes per pool that planning counts now (SPEC §17 M2): the declared "
+        "footprint, else the estimate, raised per pool to measured x 1.05; a backend placed on "
+        "one of the server's `gpus` counts its `gpu` part on that pool"
+    )
+    declared: Footprint | None = Field(
+        description="ramUsage as the config declares it (may name `gpu`); null when auto or omitted"
+    )
+    estimated: Footprint | None = Field(
+        description="estimated from the model file (ramUsage auto or omitted); null otherwise"
+    )
+    measured: Footprint | None = Field(
+        description="what the process held after its last load (RSS for `system`, NVML for "
+        "GPU pools), or what an earlier run learned for the same backend and cmd; null until "
+        "measured"
+    )
+    gpu: str | None = Field(
+        description="the GPU pool it was placed on (SPEC §17 M3); null when it asks for no `gpu`"
+    )
     in_flight: int
     last_used: str | None
     ttl_expires_at: str | None

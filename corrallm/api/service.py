@@ -276,8 +276,12 @@ def residency(gw: Gateway) -> dict[str, Any]:
                 {
                     "backend": sup.id,
                     "state": str(sup.state),
+                    "pid": sup.pid,
                     "ram_usage": tenancy.usage,
-                    "measured": tenancy.measured,
+                    "declared": tenancy.declared,
+                    "estimated": tenancy.estimated,
+                    "measured": tenancy.measured_here,
+                    "gpu": tenancy.placed,
                     "in_flight": sup.in_flight,
                     "last_used": wall(gw, sup.last_used),
                     "ttl_expires_at": wall(gw, tenancy.ttl_expires_at()),

@@ -42,6 +42,7 @@ from corrallm.config.schema import (
     Sticky,
     Swap,
     Timeouts,
+    backend_id,
 )
 from corrallm.config.units import format_size, parse_duration, parse_size
 
@@ -78,11 +79,6 @@ __all__ = [
     "parse_size",
     "summary",
 ]
-
-
-def backend_id(model_name: str, index: int, backend: Backend) -> str:
-    """A backend's id: its `name` if set, else `<model>#<index>` (SPEC §8 F1)."""
-    return backend.name if backend.name else f"{model_name}#{index}"
 
 
 _SECRET_FLAG = re.compile(

@@ -15,7 +15,7 @@ from __future__ import annotations
 import os
 import re
 import types
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from importlib import resources
 from pathlib import Path
 from typing import Annotated, Any, NoReturn, Union, get_args, get_origin
@@ -326,8 +326,17 @@ def _located(loc: Sequence[str | int]) -> Loc:
 # -- public ---------------------------------------------------------------------------
 
 
+# A last phase of loading, run on a config that is otherwise valid, for rules that need
+# more than the file: the memory estimates read model files (SPEC §17 M1). Passed in by the
+# caller so that the config package depends on no other.
+Check = Callable[[Config], list[Problem]]
+
+
 def load_config_text(
-    text: str, source: str = "<string>", env: Mapping[str, str] | None = None
+    text: str,
+    source: str = "<string>",
+    env: Mapping[str, str] | None = None,
+    checks: Sequence[Check] = (),
 ) -> Config:
     """Parse and validate a config; raise `ConfigError` listing every problem."""
     environ: Mapping[str, str] = os.environ if env is None else env
@@ -354,17 +363,23 @@ def load_config_text(
     problems += [p for p in cross_field_problems(data) if p[0] not in unset]
     if problems or config is None:
         _raise(problems, source, lines)
+    for check in checks:
+        problems += check(config)
+    if problems:
+        _raise(problems, source, lines)
     return config
 
 
-def load_config(path: Path, env: Mapping[str, str] | None = None) -> Config:
+def load_config(
+    path: Path, env: Mapping[str, str] | None = None, checks: Sequence[Check] = ()
+) -> Config:
     """Load `path`; raise `ConfigError` listing every problem."""
     try:
         text = Path(path).read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as exc:
         reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
         raise ConfigError([f"(file): cannot read the config: {reason}"], str(path)) from exc
-    return load_config_text(text, source=str(path), env=env)
+    return load_config_text(text, source=str(path), env=env, checks=checks)
 
 
 def demo_config_text() -> str:

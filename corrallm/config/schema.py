@@ -258,6 +258,11 @@ class Backend(ProcessSpec):
     )
 
 
+def backend_id(model_name: str, index: int, backend: Backend) -> str:
+    """A backend's id: its `name` if set, else `<model>#<index>` (SPEC §8 F1)."""
+    return backend.name if backend.name else f"{model_name}#{index}"
+
+
 class Extension(ProcessSpec):
     """One process hosting several models (SPEC §4 L8)."""
 

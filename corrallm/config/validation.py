@@ -20,7 +20,7 @@ from urllib.parse import urlsplit
 
 from pydantic.alias_generators import to_camel
 
-from corrallm.config.schema import PORT_PLACEHOLDER
+from corrallm.config.schema import ANY_GPU, PORT_PLACEHOLDER
 from corrallm.config.units import format_size, parse_size
 
 Loc = tuple[str | int, ...]
@@ -176,6 +176,15 @@ class _Checker:
     def check_servers(self) -> None:
         for name, server in self.servers.items():
             pools = _map(server.get("pools"))
+            gpus = server.get("gpus")
+            for index, gpu in enumerate(gpus if isinstance(gpus, list) else []):
+                if isinstance(gpu, str) and gpu not in pools:
+                    hint = did_you_mean(gpu, pools)
+                    self.add(
+                        ("servers", name, "gpus", index),
+                        f"unknown pool '{gpu}' on server '{name}'{hint}; each GPU in gpus "
+                        f"is one of its pools ({_names(pools)})",
+                    )
             for pool, amount in _map(server.get("reserve")).items():
                 loc: Loc = ("servers", name, "reserve", pool)
                 if pool not in pools:
@@ -224,8 +233,24 @@ class _Checker:
         usage = _map(raw.get("ramUsage"))
         if server is not None:
             pools = _map(self.servers[server].get("pools"))
+            gpus = self.servers[server].get("gpus")
+            gpus = [g for g in gpus if isinstance(g, str)] if isinstance(gpus, list) else []
             for pool in usage:
-                if pool not in pools:
+                if pool == ANY_GPU and pool not in pools:
+                    if not gpus:
+                        self.add(
+                            (*loc, "ramUsage", pool),
+                            f"'{ANY_GPU}' means any of the server's gpus, and server "
+                            f"'{server}' lists none: add gpus: [gpu0, gpu1] to "
+                            f"servers.{server}, or name the pool",
+                        )
+                    elif placed := sorted(set(usage) & set(gpus)):
+                        self.add(
+                            (*loc, "ramUsage", pool),
+                            f"'{ANY_GPU}' (placed on one of the server's gpus) cannot be "
+                            f"combined with {', '.join(placed)} from the same gpus",
+                        )
+                elif pool not in pools:
                     self.add(
                         (*loc, "ramUsage", pool), f"unknown pool '{pool}' on server '{server}'"
                     )

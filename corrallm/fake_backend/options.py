@@ -30,6 +30,10 @@ class Options:
     die_mid_body: bool = False
     faulty_requests: int | None = None
     tool_calls: bool = False
+    hold_mb: int = 0
+    load_progress: float | None = None
+    hang_after_ready: float | None = None
+    die_after_ready: float | None = None
 
     @property
     def n_ctx_slot(self) -> int:
@@ -44,6 +48,13 @@ def _seconds(text: str) -> float:
     value = float(text)
     if value < 0:
         raise argparse.ArgumentTypeError(f"must be >= 0 seconds, got {text}")
+    return value
+
+
+def _positive_seconds(text: str) -> float:
+    value = float(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be > 0 seconds, got {text}")
     return value
 
 
@@ -136,6 +147,38 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="a chat request with `tools` whose last message is the user's is answered with "
         "a call of its first tool (or the one tool_choice names), streamed or not",
+    )
+    p.add_argument(
+        "--hold-mb",
+        type=count,
+        metavar="MIB",
+        default=0,
+        help="once loaded, allocate and touch this many MiB and hold them for the process's "
+        "life (its RSS grows by about that much), like a model's weights",
+    )
+    p.add_argument(
+        "--load-progress",
+        type=_positive_seconds,
+        metavar="SECONDS",
+        default=None,
+        help="while loading (--load-seconds), print a progress line every SECONDS; without "
+        "it a load prints nothing between the banner and 'model loaded'",
+    )
+    p.add_argument(
+        "--hang-after-ready",
+        type=seconds,
+        metavar="SECONDS",
+        default=None,
+        help="after being healthy for SECONDS, hang: the event loop blocks, so /health and "
+        "inference (in flight or new) get no answer and SIGTERM is not handled; the process "
+        "stays alive until SIGKILL",
+    )
+    p.add_argument(
+        "--die-after-ready",
+        type=seconds,
+        metavar="SECONDS",
+        default=None,
+        help="after being healthy for SECONDS, print an error and exit with code 1",
     )
     return p
 

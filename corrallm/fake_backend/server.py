@@ -109,11 +109,35 @@ async def _serve(opts: Options, sock: socket.socket, ready_at: float, exit_code:
     loop = asyncio.get_running_loop()
     app = FakeBackend(opts, log, ready_at)
 
+    held: list[bytearray] = []  # --hold-mb: kept for the process's life
+
     def loaded() -> None:
+        if opts.hold_mb:
+            held.append(_hold(opts.hold_mb))
         log("main: model loaded")
         log("srv  update_slots: all slots are idle")
 
-    loop.call_later(max(0.0, ready_at - time.monotonic()), loaded)
+    until_ready = max(0.0, ready_at - time.monotonic())
+    loop.call_later(until_ready, loaded)
+    if opts.load_progress is not None:
+        _progress(loop, opts.load_progress, ready_at)
+    if opts.hang_after_ready is not None:
+
+        def hang() -> None:
+            _raw_log(
+                f"main: not answering anything from now on (--hang-after-ready) t={time.time()}"
+            )
+            while True:  # block the event loop: no request, health poll or signal is served
+                time.sleep(3600)
+
+        loop.call_later(until_ready + opts.hang_after_ready, hang)
+    if opts.die_after_ready is not None:
+
+        def die_ready() -> None:
+            _raw_log(f"error: the model server died (--die-after-ready) t={time.time()}")
+            os._exit(1)
+
+        loop.call_later(until_ready + opts.die_after_ready, die_ready)
     if opts.exit_after_seconds is not None:
 
         def die() -> None:
@@ -137,6 +161,28 @@ async def _serve(opts: Options, sock: socket.socket, ready_at: float, exit_code:
     )
     server = _Server(config, ignore_sigterm=opts.ignore_sigterm)
     await server.serve(sockets=[sock])
+
+
+def _hold(mib: int) -> bytearray:
+    """Allocate `mib` MiB and write every page so that it is resident, not just reserved."""
+    block = bytearray(mib * 1024 * 1024)
+    block[::4096] = b"\x01" * (len(block) // 4096)
+    return block
+
+
+def _progress(loop: asyncio.AbstractEventLoop, every: float, ready_at: float) -> None:
+    """Print a load-progress line every `every` seconds until `ready_at` (monotonic)."""
+    started = time.monotonic()
+    total = max(ready_at - started, 1e-9)
+
+    def tick() -> None:
+        now = time.monotonic()
+        if now >= ready_at:
+            return
+        log(f"llama_model_load: loading tensors ... {min(99, int(100 * (now - started) / total))}%")
+        loop.call_later(every, tick)
+
+    loop.call_later(every, tick)
 
 
 class _Server(uvicorn.Server):

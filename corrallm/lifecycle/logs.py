@@ -50,6 +50,9 @@ class LogBuffer:
         self._path = path
         self._file: TextIO | None = None
         self.listeners: list[Callable[[str], None]] = []  # e.g. the live event stream
+        # Bytes of output taken in so far, finished lines or not (a progress bar without
+        # line ends counts): how a start shows it is not stalled (SPEC §17 M5).
+        self.received = 0
         # Following the file: where we are, a line not finished yet, our own lines not yet
         # read back (skipped when they are).
         self._reader: int | None = None
@@ -98,6 +101,8 @@ class LogBuffer:
                 self._file.write(part + "\n")
                 if self._reader is not None:
                     self._ours.append(part)
+            else:
+                self.received += len(part) + 1
             self._take(part)
         self.catch_up()
 
@@ -138,6 +143,7 @@ class LogBuffer:
         return self._n_ctx_slot if self._unified else self._n_ctx_slot * self.n_slots
 
     def _feed(self, chunk: bytes) -> None:
+        self.received += len(chunk)
         *complete, rest = (self._partial + chunk).split(b"\n")
         if self._resync and complete:  # after a skip: the first piece is half a line
             complete, self._resync = complete[1:], False

@@ -21,10 +21,14 @@ TRANSITIONS: dict[State, frozenset[State]] = {
     # STARTING -> STOPPING: unload or shutdown while loading, or the health timeout kill.
     # STARTING -> STOPPED: no room could be made in the memory pools; nothing was spawned.
     State.STARTING: frozenset({State.READY, State.FAILED, State.STOPPING, State.STOPPED}),
-    # READY -> STOPPED: the process exited on its own (crash); the next request restarts it.
-    State.READY: frozenset({State.DRAINING, State.STOPPING, State.STOPPED}),
-    State.DRAINING: frozenset({State.STOPPING, State.STOPPED}),
-    State.STOPPING: frozenset({State.STOPPED, State.PAUSED}),
+    # READY/DRAINING -> STOPPING: an unload or shutdown, or a failure (M4: the process
+    # exited on its own, or `health.failures` liveness probes in a row failed) whose
+    # teardown ends in FAILED.
+    State.READY: frozenset({State.DRAINING, State.STOPPING}),
+    State.DRAINING: frozenset({State.STOPPING}),
+    # STOPPING -> FAILED: the end of a failure's teardown (M4); a persistent backend is
+    # then restarted after the start back-off, any other by the next request, at once.
+    State.STOPPING: frozenset({State.STOPPED, State.PAUSED, State.FAILED}),
     State.PAUSED: frozenset({State.STOPPED}),
     State.FAILED: frozenset({State.STARTING, State.STOPPED, State.PAUSED}),
 }

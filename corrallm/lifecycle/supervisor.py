@@ -7,6 +7,12 @@ asks of the world goes through seams injected at construction, as in honcho's Ma
 the process manager (`processes`: spawn, run a start/stop command, adopt, liveness, stop
 a group), the health `probe`, the `clock` and `sleep`, the memory pools (`room`) and the
 transition `bus`. tests/unit/test_supervisor.py drives it with scripted fakes of them all.
+
+Its own tasks: the start under way (`_start_task`), the watch of a ready process (`_watcher`:
+its exit, and a liveness probe every `health.interval`, SPEC §17 M4), the revival of a
+persistent backend that failed (`_reviver`) and the log follower. A deliberate stop,
+unload, pause or retire cancels the watch and the revival; a failure being handled is
+never cancelled half way (the watcher detaches itself first), so no hung group is left.
 """
 
 from __future__ import annotations
@@ -28,6 +34,14 @@ from corrallm.lifecycle.errors import (
     BackendRetired,
     LifecycleBusy,
     LifecycleError,
+)
+from corrallm.lifecycle.liveness import (
+    HUNG_GRACE,
+    PROBE_BOUND,
+    FailureReason,
+    Misses,
+    StallWatch,
+    bounded,
 )
 from corrallm.lifecycle.logs import LogBuffer
 from corrallm.lifecycle.pidrecords import PidRecord, PidRecords, file_name
@@ -93,7 +107,10 @@ class Supervisor:
     retired: bool = False  # removed or replaced by a config reload: never started again
     keep_alive: bool = False  # persistent (R3): restarted, with back-off, after it fails (M4)
     started_for: Cause | None = None
+    # Consecutive failures (starts, and deaths after ready); reset only once a start has
+    # stayed healthy for a probe interval, so the back-off grows for one that keeps dying.
     failures: int = 0
+    failure_reason: FailureReason | None = None  # of the latest failure
     retry_at: float = 0.0
     port: int | None = None
     base_url: str = ""
@@ -108,6 +125,8 @@ class Supervisor:
         self._changed = asyncio.Event()
         self._start_task: asyncio.Task[None] | None = None
         self._watcher: asyncio.Task[None] | None = None
+        self._reviver: asyncio.Task[None] | None = None
+        self._dying: asyncio.Task[None] | None = None  # a failure being handled (M4)
         self._follower: asyncio.Task[None] | None = None
         self._pause_wanted = False
         self._keep_record = False
@@ -173,9 +192,11 @@ class Supervisor:
         await self.ensure_ready()
 
     async def unload(self, force: bool = False) -> None:
-        """Drain in-flight requests (unless forced), then stop the process group."""
+        """Drain in-flight requests (unless forced), then stop the process group. A
+        persistent backend's revival (M4) ends with it: unloaded is what was asked for."""
         while True:
             if self.state in (State.STOPPED, State.FAILED, State.PAUSED):
+                await self._calm()
                 return
             if self.state is State.STARTING and not force:
                 raise LifecycleBusy(f"backend '{self.id}' is starting; unload it once ready")
@@ -186,24 +207,32 @@ class Supervisor:
                 await self._cancel_start()
                 continue
             self._move(State.DRAINING)
-            while self.in_flight > 0 and not force:
+            while self.in_flight > 0 and not force and self._still(State.DRAINING):
                 await self._next_change()
-            await self._stop_process()
-            return
+            if self._still(State.DRAINING):
+                await self._stop_process()
+                return
+            # It failed while draining (M4): the loop waits out its teardown.
 
     async def stop(self) -> None:
         """Shutdown: stop whatever runs now, without draining (L5)."""
-        await self._cancel_start()
-        if self.state in (State.READY, State.DRAINING):
-            await self._stop_process()
-        while self.state is State.STOPPING:
-            await self._next_change()
+        while True:
+            await self._calm()
+            await self._cancel_start()
+            if self.state in (State.READY, State.DRAINING):
+                await self._stop_process()
+            elif self.state is State.STOPPING:  # a failure being handled (M4) ends first
+                await self._next_change()
+            else:
+                break
+        await self._calm()
         self._stop_following()
         self.logs.close()
 
     async def pause(self) -> None:
         """Drain and stop, then stay PAUSED: no request or load starts it (P1)."""
         self._pause_wanted = True
+        await self._cancel(self._reviver)
         if self.state is State.STARTING:
             await self._cancel_start()
         await self.unload()
@@ -226,6 +255,7 @@ class Supervisor:
             await self.unload(force=self.state is State.STARTING)
         except LifecycleError as exc:
             self.logs.note(f"retiring: {exc}")
+        await self._calm()
         self._stop_following()
         self.logs.close()
 
@@ -254,7 +284,7 @@ class Supervisor:
         self._move(State.STARTING)
         self._move(State.READY)
         self.last_used = self.clock()
-        self._watcher = asyncio.create_task(self._watch(proc), name=f"watch-{self.id}")
+        self._start_watch(proc)
         return True
 
     # -- the machinery ---------------------------------------------------------------
@@ -301,15 +331,16 @@ class Supervisor:
         try:
             if plan.start is not None:
                 code = await self.processes.run(
-                    plan.start, env, self.spec.cwd, self.logs.append, self.health_timeout
+                    plan.start, env, self.spec.cwd, self.logs.append, self._start_cap()[0]
                 )
                 if code != 0:
                     what = "did not finish" if code is None else f"exited with code {code}"
-                    return self._fail(f"its start command `{plan.describe()}` {what}")
+                    reason = f"its start command `{plan.describe()}` {what}"
+                    return self._fail(reason, "start_exited")
             if plan.serve is not None:
                 proc = await self.processes.spawn(plan.serve, env, self.spec.cwd, self._output)
         except OSError as exc:
-            return self._fail(f"could not run its command: {exc}")
+            return self._fail(f"could not run its command: {exc}", "start_exited")
         if proc is not None:
             self._own(proc)
             self.logs.note(f"spawned pid {proc.pid}")
@@ -318,33 +349,57 @@ class Supervisor:
         if outcome == "healthy":
             self.logs.catch_up()  # what it printed while loading (n_ctx, n_slots) is parsed now
             self.last_load_seconds = self.clock() - began
-            self.failures, self.last_error = 0, None
+            self.last_error = None  # `failures` is reset by the watch, once it stays healthy
             self.last_used = self.clock()
             self.logs.note(f"ready in {self.last_load_seconds:.2f}s at {self.base_url}")
             self._move(State.READY)
-            if proc is not None:
-                self._watcher = asyncio.create_task(self._watch(proc), name=f"watch-{self.id}")
+            self._start_watch(proc)
             return None
+        kind: FailureReason = "start_timeout"
         if outcome == "exited" and proc is not None:
-            reason = f"exited with code {proc.exited.result()} while starting"
+            kind, reason = "start_exited", f"exited with code {proc.exited.result()} while starting"
+        elif outcome == "stalled":
+            kind = "stalled"
+            reason = (
+                "stalled: no output and no change in its health answer for "
+                f"{self.spec.health.stall_timeout:g}s (health.stallTimeout)"
+            )
         else:
-            reason = f"did not become healthy within {self.health_timeout:g}s (--health-timeout)"
+            cap, flag = self._start_cap()
+            reason = f"did not become healthy within {cap:g}s ({flag})"
         if proc is not None:
             await self._reap(proc, reason)
         else:
             await self._run_stop(reason)
-        return self._fail(reason)
+        return self._fail(reason, kind)
+
+    def _start_cap(self) -> tuple[float, str]:
+        """The hard cap on a start (M5): health.startTimeout, else --health-timeout."""
+        if self.spec.health.start_timeout is not None:
+            return self.spec.health.start_timeout, "health.startTimeout"
+        return self.health_timeout, "--health-timeout"
 
     async def _await_health(self, proc: Spawned | None) -> str:
-        """Poll health until it answers; an owned process exiting first is a failure."""
-        url = origin(self.base_url) + self.spec.health.path
-        deadline = self.clock() + self.health_timeout
+        """Poll health until it answers; an owned process exiting first is a failure, and so
+        is one that stalls (M5): no new output and the same health answer for stallTimeout.
+        A process we do not own (docker, systemd) shows us no output: only the cap holds."""
+        health = self.spec.health
+        url = origin(self.base_url) + health.path
+        now = self.clock()
+        deadline = now + self._start_cap()[0]
+        stall = StallWatch(health.stall_timeout, now)
         while True:
             if proc is not None and proc.exited.done():
                 return "exited"
-            if await self._healthy(url):
+            answer = await self.probe(url)
+            if answer in health.expect_status:
                 return "healthy"
-            remaining = deadline - self.clock()
+            now = self.clock()
+            if proc is not None:
+                self.logs.catch_up()
+                if stall.observe(now, answer, self.logs.received):
+                    return "stalled"
+            remaining = deadline - now
             if remaining <= 0:
                 return "timeout"
             wait = min(HEALTH_POLL_SECONDS, remaining)
@@ -356,16 +411,108 @@ class Supervisor:
     async def _healthy(self, url: str) -> bool:
         return await self.probe(url) in self.spec.health.expect_status
 
-    async def _watch(self, proc: Spawned) -> None:
-        """Notice a ready process that exits on its own (a crash): the next request restarts it."""
-        code = await proc.exited
-        if self.proc is proc and self.state in (State.READY, State.DRAINING):
-            self.logs.note(f"exited unexpectedly with code {code}")
-            self.last_error = f"exited unexpectedly with code {code}"
-            await self._reap(proc, None)
-            self._move(State.STOPPED)
+    def _start_watch(self, proc: Spawned | None) -> None:
+        self._watcher = asyncio.create_task(self._watch(proc), name=f"watch-{self.id}")
+
+    def _live(self, proc: Spawned | None) -> bool:
+        """Still the ready (or draining) process this watch is about."""
+        return self.proc is proc and self.state in (State.READY, State.DRAINING)
+
+    async def _watch(self, proc: Spawned | None) -> None:
+        """While ready or draining (M4): notice the process exiting on its own, and probe its
+        health every health.interval (polls are not activity: last_used is left alone).
+        `health.failures` failed probes in a row, or an exit, mark it failed."""
+        health = self.spec.health
+        url = origin(self.base_url) + health.path
+        bound = min(health.interval, PROBE_BOUND)
+        misses = Misses(health.failures)
+        next_probe = self.clock() + health.interval
+        exited = proc.exited if proc is not None else None
+        while True:
+            wait = max(0.0, next_probe - self.clock())
+            if exited is None:
+                await self.sleep(wait)
+            elif not exited.done():
+                await _first(exited, self.sleep(wait))
+            if not self._live(proc):
+                return
+            if exited is not None and exited.done():
+                reason = f"exited unexpectedly with code {exited.result()}"
+                return await self._die(proc, "exited", reason, self.spec.stop_grace)
+            next_probe = self.clock() + health.interval  # probes start an interval apart
+            answer = await bounded(self.probe, url, bound, self.sleep, exited)
+            if not self._live(proc) or (exited is not None and exited.done()):
+                continue  # gone while asked: the exit is handled above
+            if misses.observe(answer, answer in health.expect_status):
+                reason = f"unresponsive: {misses.describe(bound)}"
+                return await self._die(proc, "unresponsive", reason, HUNG_GRACE)
+            if misses.count == 0:
+                self.failures = 0  # healthy for a probe interval after its start
+
+    async def _die(
+        self, proc: Spawned | None, kind: FailureReason, reason: str, grace: float
+    ) -> None:
+        """A ready backend failed (M4): stop what is left of it, then FAILED. In-flight
+        requests lose their upstream connection when the group goes, and end with a 502 or
+        an error event. A persistent backend is revived after the start back-off; another
+        may be started again by the next request at once."""
+        self._watcher, self._dying = None, asyncio.current_task()  # never cancelled half way
+        self.failure_reason, self.last_error = kind, reason
+        self.logs.note(f"failed: {reason}")
+        self._move(State.STOPPING)
+        await self._run_stop(None)
+        if proc is not None:
+            self.logs.note(f"stopped ({await self._end_group(proc, grace)})")
+            self._forget_process()
+        self.failures += 1
+        delay = self.backoff.delay(self.failures) if self.keep_alive else 0.0
+        self.retry_at = self.clock() + delay
+        self._dying = None
+        self._move(State.FAILED)
+        reviving = self._reviver is not None and not self._reviver.done()
+        if self._may_revive() and not reviving:
+            self.logs.note(f"persistent: restarting it in {delay:g}s")
+            self._reviver = asyncio.create_task(self._revive(), name=f"revive-{self.id}")
+            self._reviver.add_done_callback(_retrieve)
+
+    def _may_revive(self) -> bool:
+        return self.keep_alive and not self.retired and not self._pause_wanted
+
+    async def _revive(self) -> None:
+        """Restart a persistent backend that failed, with the start back-off, until it is
+        ready again (a failed restart backs off further)."""
+        while self._may_revive() and self.state is not State.READY:
+            wait = self.retry_at - self.clock() if self.state is State.FAILED else 0.0
+            if wait > 0:
+                await self.sleep(wait)
+                continue
+            try:
+                await self.ensure_ready()
+            except LifecycleError:
+                if self.state is not State.FAILED:  # e.g. no room: wait before asking again
+                    await self.sleep(self.backoff.delay(max(1, self.failures)))
+        if self._reviver is asyncio.current_task():
+            self._reviver = None
+
+    async def _calm(self) -> None:
+        """Cancel the watch and the revival (a deliberate stop, unload, pause or retire)."""
+        await self._cancel(self._watcher)
+        await self._cancel(self._reviver)
+
+    async def _cancel(self, task: asyncio.Task[None] | None) -> None:
+        if task is None or task is asyncio.current_task():
+            return
+        if not task.done():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        if self._watcher is task:
+            self._watcher = None
+        if self._reviver is task:
+            self._reviver = None
 
     async def _stop_process(self) -> None:
+        await self._calm()
         self._move(State.STOPPING)
         await self._run_stop(None)
         if self.proc is not None:  # what a stop command left of our own group goes too
@@ -399,10 +546,11 @@ class Supervisor:
         await self._end_group(proc)
         self._forget_process()
 
-    async def _end_group(self, proc: Spawned) -> str:
-        """SIGTERM, stopGrace, SIGKILL. A group that outlives SIGKILL keeps its PID record,
-        so that a later run of corrallm still knows it is ours."""
-        how = await self.processes.stop_group(proc.pgid, proc.exited, self.spec.stop_grace)
+    async def _end_group(self, proc: Spawned, grace: float | None = None) -> str:
+        """SIGTERM, stopGrace (or less), SIGKILL. A group that outlives SIGKILL keeps its PID
+        record, so that a later run of corrallm still knows it is ours."""
+        grace = self.spec.stop_grace if grace is None else min(grace, self.spec.stop_grace)
+        how = await self.processes.stop_group(proc.pgid, proc.exited, grace)
         if how == "killed" and self.processes.group_alive(proc.pgid):
             self._keep_record = True
             self.logs.note(f"process group {proc.pgid} outlived SIGKILL")
@@ -440,19 +588,20 @@ class Supervisor:
             self._follower = None
         self.logs.catch_up()  # its last words, before a failure quotes them
 
-    def _fail(self, reason: str) -> None:
+    def _fail(self, reason: str, kind: FailureReason) -> None:
         self.failures += 1
         delay = self.backoff.delay(self.failures)
         self.retry_at = self.clock() + delay
-        self.last_error = reason
+        self.failure_reason, self.last_error = kind, reason
         self.logs.note(f"failed to start: {reason}; next try in {delay:g}s")
         self._move(State.FAILED)
 
     def _failure_message(self) -> str:
         wait = max(0.0, self.retry_at - self.clock())
         tail = "\n".join(self.logs.tail(LOG_TAIL_LINES))
+        what = "failed" if self.failure_reason in ("exited", "unresponsive") else "failed to start"
         return (
-            f"backend '{self.id}' failed to start: {self.last_error}. "
+            f"backend '{self.id}' {what}: {self.last_error}. "
             f"corrallm retries in {wait:.1f}s. Last lines of its log:\n{tail}"
         )
 
@@ -475,6 +624,10 @@ class Supervisor:
         self.state = new
         self._notify()
         self.bus.moved(self, old, new)
+
+    def _still(self, state: State) -> bool:
+        """The state is still `state` (after awaits mypy cannot see through)."""
+        return self.state is state
 
     def _notify(self) -> None:
         self._changed.set()

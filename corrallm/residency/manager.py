@@ -1,9 +1,11 @@
 """Residency at run time: who holds memory on which server, and making room for a start.
 
-The decisions are the planner's (pure); this wrapper feeds it snapshots of the
-supervisors, carries out its evictions, waits (bounded by `scheduler.maxWait`) for busy
-residents to go idle, and unloads ttl-expired residents (R4). Each eviction is logged
-with the reason it was chosen, one line per victim.
+The decisions are the planner's and the placement's (pure); this wrapper feeds them
+snapshots of the supervisors, carries out their evictions, waits (bounded by
+`scheduler.maxWait`) for busy residents to go idle, places a start that may run on any
+of its server's GPUs (M3) and unloads ttl-expired residents (R4). Each eviction and each
+GPU placement is logged with the reason it was chosen, one line per decision.
+What a process really holds is learned after each load (M2, `learning.py`).
 """
 
 from __future__ import annotations
@@ -22,8 +24,11 @@ from corrallm.lifecycle.errors import LifecycleError
 from corrallm.lifecycle.state import State
 from corrallm.lifecycle.supervisor import Placement, Supervisor
 from corrallm.lifecycle.transitions import Transitions
-from corrallm.residency.measure import MemoryReader
-from corrallm.residency.planner import Plan, Resident, plan
+from corrallm.residency.learning import Learning, in_pools, mismatches
+from corrallm.residency.measure import MemoryReader, command_key, visible_gpu
+from corrallm.residency.placement import Choice, gpu_index, place
+from corrallm.residency.planner import Resident
+from corrallm.store.db import Store
 
 log = logging.getLogger("corrallm.residency")
 
@@ -40,9 +45,10 @@ class Tenancy:
     """What a supervised process asks of a server's pools, and how it may be evicted.
 
     Planning uses `usage` (SPEC §17 M2): the declared footprint, else the estimate from the
-    model file, raised per pool to what was measured of the process × 1.05. A footprint may
+    model file, raised per pool to what was measured of the process times 1.05. A footprint may
     name the pool `gpu` (any of the server's `gpus`, M3): `placed` says which one the
-    current process was given."""
+    current process was given. What was measured on that GPU is kept under `gpu` too, so a
+    learned footprint follows the backend to whichever GPU it is placed on next."""
 
     supervisor: Supervisor
     server: str | None  # None: it takes no room in any pool (only its ttl matters)
@@ -54,6 +60,7 @@ class Tenancy:
     measured: dict[str, int] | None = None  # learned: this process, or an earlier one
     gpus: tuple[str, ...] = ()  # the server's interchangeable GPU pools
     placed: str | None = None  # the GPU pool the current process runs on
+    granted: bool = False  # make_room let the current start in: its memory counts
 
     @property
     def wanted(self) -> dict[str, int]:
@@ -63,14 +70,39 @@ class Tenancy:
         return self.estimated or {}
 
     @property
-    def usage(self) -> dict[str, int]:
-        """What planning counts now, per concrete pool."""
-        usage = dict(self.wanted)
-        if ANY_GPU in usage and self.placed is not None:
-            usage[self.placed] = usage.pop(ANY_GPU)
+    def need(self) -> dict[str, int]:
+        """What a start asks for, before placement: may name `gpu`."""
+        need = dict(self.wanted)
         for pool, held in (self.measured or {}).items():
-            usage[pool] = max(usage.get(pool, 0), math.ceil(held * MEASURED_MARGIN))
+            need[pool] = max(need.get(pool, 0), math.ceil(held * MEASURED_MARGIN))
+        return need
+
+    @property
+    def usage(self) -> dict[str, int]:
+        """What planning counts now, per concrete pool once placed."""
+        usage = self.need
+        if ANY_GPU in usage and self.placed is not None:
+            usage[self.placed] = usage.get(self.placed, 0) + usage.pop(ANY_GPU)
         return usage
+
+    @property
+    def measured_here(self) -> dict[str, int] | None:
+        """`measured` with its `gpu` part on the GPU the current process was placed on."""
+        if self.measured is None or self.placed is None or ANY_GPU not in self.measured:
+            return None if self.measured is None else dict(self.measured)
+        here = dict(self.measured)
+        here[self.placed] = here.get(self.placed, 0) + here.pop(ANY_GPU)
+        return here
+
+    @property
+    def command(self) -> str:
+        """The key its learned footprint is kept under, beside the backend id (M2)."""
+        return command_key(self.supervisor.spec)
+
+    def holds(self) -> bool:
+        """Counted in its pools: from the moment its start was let in until it stops."""
+        state = self.supervisor.state
+        return state in HOLDING and (state is not State.STARTING or self.granted)
 
     def resident(self, now: float) -> Resident:
         sup = self.supervisor
@@ -92,7 +124,7 @@ class Tenancy:
 class Residency:
     """Long-lived: built once with the gateway, it subscribes once to the transition bus;
     a config reload hands it the new servers and tenancies (`reconfigure`) and keeps its
-    memory reader, its locks and everything it measured of processes that stay."""
+    memory reader, its locks, what it learned and the placement of processes that stay."""
 
     servers: dict[str, Server]
     max_wait: float = 60.0
@@ -104,14 +136,31 @@ class Residency:
     def __post_init__(self) -> None:
         self._locks: dict[str, asyncio.Lock] = {}
         self._changed = asyncio.Event()
+        self.learning = Learning()
+        self._tasks: set[asyncio.Task[None]] = set()  # measurements under way
+        self._warned: set[tuple[str, str, str]] = set()  # R5, once per run
         if self.bus is not None:
             self.bus.subscribe(moved=self._on_transition, idle=lambda _: self._notify())
+
+    async def restore(self, store: Store) -> None:
+        """M2: what earlier runs learned (read once, when the store opens) is planned with
+        before the first load of this run; each new measurement is written there."""
+        await self.learning.restore(store)
+        for tenancy in self.tenancies.values():
+            self._apply_learned(tenancy)
+        self._notify()
+
+    async def close(self) -> None:
+        """Shutdown: measurements still under way are dropped (before the store closes)."""
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
 
     def reconfigure(
         self, servers: dict[str, Server], max_wait: float, tenancies: list[Tenancy]
     ) -> None:
         """A config reload: the new pools and tenancies replace the old as a whole; what
-        was measured of a process that keeps running is kept."""
+        was measured of a process that keeps running, and where it runs, are kept."""
         previous = self.tenancies
         self.servers, self.max_wait = servers, max_wait
         self.tenancies = {}
@@ -119,8 +168,16 @@ class Residency:
             old = previous.get(tenancy.supervisor.id)
             if old is not None and old.supervisor is tenancy.supervisor:
                 tenancy.measured = old.measured
+                tenancy.granted = old.granted
+                if old.placed in tenancy.gpus:
+                    tenancy.placed = old.placed
+            self._apply_learned(tenancy)
             self.track(tenancy)
         self._notify()
+
+    def _apply_learned(self, tenancy: Tenancy) -> None:
+        if tenancy.measured is None:
+            tenancy.measured = self.learning.get(tenancy.supervisor.id, tenancy.command)
 
     def track(self, tenancy: Tenancy) -> None:
         self.tenancies[tenancy.supervisor.id] = tenancy
@@ -129,7 +186,7 @@ class Residency:
         return [
             t
             for t in self.tenancies.values()
-            if t.server == server and t.supervisor.id != exclude and t.supervisor.state in HOLDING
+            if t.server == server and t.supervisor.id != exclude and t.holds()
         ]
 
     def used(self, server: str) -> dict[str, int]:
@@ -144,26 +201,37 @@ class Residency:
         tenancy = self.tenancies.get(sup.id)
         if tenancy is None or tenancy.server is None or sup.state in HOLDING:
             return True
-        return self._plan(tenancy).fits
+        return self._choose(tenancy).fits
 
     async def make_room(self, sup: Supervisor) -> Placement:
-        """The supervisor's `room` seam: return once `sup` fits, evicting as planned (R2)."""
+        """The supervisor's `room` seam: return once `sup` fits, evicting as planned (R2),
+        on the GPU chosen for it when it may run on any of its server's (M3)."""
         tenancy = self.tenancies.get(sup.id)
         if tenancy is None or tenancy.server is None:
             return Placement()
         deadline = self.clock() + self.max_wait
         lock = self._locks.setdefault(tenancy.server, asyncio.Lock())
+        logged: set[str] = set()  # GPUs whose choice was logged: once each, evictions or not
         async with lock:
             while True:
-                decision = self._plan(tenancy)
-                if decision.fits and not decision.evict:
-                    return Placement()
-                if decision.fits:
-                    await self._evict(tenancy, decision.evict)
+                choice = self._choose(tenancy)
+                if choice.gpu is not None and choice.gpu not in logged:
+                    logged.add(choice.gpu)
+                    self._log_placement(tenancy, choice)
+                if choice.fits and not choice.evict:
+                    current = self.tenancies.get(sup.id)
+                    for held in (tenancy, current):  # a reload meanwhile made `current`
+                        if held is not None and held.supervisor is sup:
+                            held.placed, held.granted = choice.gpu, True
+                    if choice.gpu is None:
+                        return Placement()
+                    return Placement(gpu_index(choice.gpu, tenancy.gpus))
+                if choice.fits:
+                    await self._evict(tenancy, choice)
                     continue
                 remaining = deadline - self.clock()
                 if remaining <= 0:
-                    raise NoRoom(self._no_room_message(tenancy, decision.short or {}))
+                    raise NoRoom(self._no_room_message(tenancy, choice))
                 await self._wait_change(remaining)
 
     async def reap_expired(self) -> None:
@@ -186,30 +254,44 @@ class Residency:
 
     # -- the machinery ---------------------------------------------------------------
 
-    def _plan(self, tenancy: Tenancy) -> Plan:
+    def _choose(self, tenancy: Tenancy) -> Choice:
         assert tenancy.server is not None, "only tenancies that take room are planned"
         server = self.servers[tenancy.server]
         now = self.clock()
         residents = [t.resident(now) for t in self.residents(tenancy.server, tenancy.supervisor.id)]
-        return plan(server.pools, server.reserve, residents, tenancy.usage, now)
+        return place(server.pools, server.reserve, residents, tenancy.need, tenancy.gpus, now)
 
-    async def _evict(self, tenancy: Tenancy, victims: tuple[str, ...]) -> None:
+    def _log_placement(self, tenancy: Tenancy, choice: Choice) -> None:
+        assert choice.gpu is not None
+        log.info(
+            "place backend=%s server=%s gpu=%s index=%s reason=%s needs=%s evicts=%s",
+            tenancy.supervisor.id,
+            tenancy.server,
+            choice.gpu,
+            gpu_index(choice.gpu, tenancy.gpus),
+            choice.why,
+            _sizes(choice.need),
+            ",".join(choice.evict) or "-",
+        )
+
+    async def _evict(self, tenancy: Tenancy, choice: Choice) -> None:
         now = self.clock()
-        for victim in victims:
+        for victim in choice.evict:
             r = self.tenancies[victim].resident(now)
             reason = "ttl-expired" if r.expired(now) else f"evictCost={r.evict_cost}"
             log.info(
-                "evict backend=%s for=%s server=%s reason=%s idle=%.0fs frees=%s",
+                "evict backend=%s for=%s server=%s reason=%s idle=%.0fs frees=%s%s",
                 victim,
                 tenancy.supervisor.id,
                 tenancy.server,
                 reason,
                 now - r.last_used,
                 _sizes(r.usage),
+                f" gpu={choice.gpu}" if choice.gpu else "",
             )
-        await asyncio.gather(*(self.tenancies[v].supervisor.unload() for v in victims))
+        await asyncio.gather(*(self.tenancies[v].supervisor.unload() for v in choice.evict))
 
-    def _no_room_message(self, tenancy: Tenancy, short: Mapping[str, int]) -> str:
+    def _no_room_message(self, tenancy: Tenancy, choice: Choice) -> str:
         assert tenancy.server is not None, "only tenancies that take room are planned"
         holders = []
         for other in self.residents(tenancy.server, tenancy.supervisor.id):
@@ -220,40 +302,74 @@ class Residency:
                 else (f"busy, {sup.in_flight} in flight" if sup.in_flight else str(sup.state))
             )
             holders.append(f"{sup.id} ({_sizes(other.usage)}, {why})")
+        if choice.short:
+            tried = "; ".join(f"on {gpu} by {_sizes(s)}" for gpu, s in choice.short.items())
+            where = f"on any of its GPUs {', '.join(choice.short)}"
+            short = f"short {tried}"
+        else:
+            where, short = "", f"short by {_sizes(choice.plan.short or {})}"
         return (
-            f"No room on server '{tenancy.server}' for backend '{tenancy.supervisor.id}' "
-            f"(needs {_sizes(tenancy.usage)}; short by {_sizes(short)}) after waiting "
-            f"{self.max_wait:g}s (scheduler.maxWait). Memory is held by: "
+            f"No room on server '{tenancy.server}' {where}{' ' if where else ''}"
+            f"for backend '{tenancy.supervisor.id}' (needs {_sizes(tenancy.need)}; {short}) "
+            f"after waiting {self.max_wait:g}s (scheduler.maxWait). Memory is held by: "
             f"{', '.join(holders) or 'nothing (the reserve leaves too little)'}. "
             "Retry later, unload one of them, or lower its ramUsage."
         )
 
     def _on_transition(self, sup: Supervisor, old: State, new: State) -> None:
         tracked = self.tenancies.get(sup.id)
-        if tracked is not None and tracked.supervisor is sup and new is State.READY and self.reader:
-            asyncio.get_running_loop().create_task(self._measure(sup))
+        mine = tracked is not None and tracked.supervisor is sup
+        if tracked is not None and mine and new not in HOLDING:
+            tracked.placed, tracked.granted = None, False  # its memory is given back
+        if tracked is not None and mine and new is State.READY and self.reader is not None:
+            task = asyncio.get_running_loop().create_task(self._measure(sup))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
         if new not in HOLDING:
             self._notify()
 
     async def _measure(self, sup: Supervisor) -> None:
-        """R5: what the process really holds, beside what it declared."""
-        tenancy = self.tenancies[sup.id]
-        assert self.reader is not None
-        if sup.pid is None:
+        """M2, R5: what the ready process really holds, learned beside what it declared."""
+        tenancy = self.tenancies.get(sup.id)
+        pid, reader = sup.pid, self.reader
+        if tenancy is None or tenancy.server is None or pid is None or reader is None:
             return
-        measured = await asyncio.to_thread(self.reader.read, sup.pid)
+        held, visible = await asyncio.to_thread(_read, reader, pid, bool(tenancy.gpus))
+        if self.tenancies.get(sup.id) is not tenancy or sup.pid != pid or not held:
+            return  # reloaded away, or a new process, meanwhile: this reading is stale
+        if tenancy.placed is None and visible is not None:
+            # Re-adopted after a restart of corrallm: it runs where an earlier run put it.
+            by_index = {gpu_index(g, tenancy.gpus): g for g in tenancy.gpus}
+            tenancy.placed = by_index.get(visible)
+        measured = in_pools(held, self.servers[tenancy.server], tenancy.gpus, tenancy.placed)
+        if not measured:
+            return
         tenancy.measured = measured
-        for pool, real in (measured or {}).items():
-            declared = (tenancy.declared or {}).get(pool, 0)
-            if declared == 0 or abs(real - declared) > 0.10 * declared:
-                log.warning(
-                    "ramUsage mismatch backend=%s pool=%s declared=%s measured=%s: "
-                    "update ramUsage so eviction plans with real numbers",
-                    sup.id,
-                    pool,
-                    format_size(declared),
-                    format_size(real),
-                )
+        self._notify()
+        self._warn_off(tenancy, measured)
+        await self.learning.record(sup.id, tenancy.command, measured)
+
+    def _warn_off(self, tenancy: Tenancy, measured: Mapping[str, int]) -> None:
+        """R5: once per backend, command and pool in a run, a footprint that was off."""
+        sid = tenancy.supervisor.id
+        for pool, kind, said, real in mismatches(measured, tenancy.declared, tenancy.estimated):
+            if (sid, tenancy.command, pool) in self._warned:
+                continue
+            self._warned.add((sid, tenancy.command, pool))
+            advice = (
+                "update ramUsage so eviction plans with real numbers"
+                if kind == "declared"
+                else "the estimate is off; planning uses the measurement plus 5 % from now on"
+            )
+            log.warning(
+                "ramUsage mismatch backend=%s pool=%s %s=%s measured=%s: %s",
+                sid,
+                pool,
+                kind,
+                format_size(said),
+                format_size(real),
+                advice,
+            )
 
     def _notify(self) -> None:
         self._changed.set()
@@ -262,6 +378,14 @@ class Residency:
     async def _wait_change(self, within: float) -> None:
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self._changed.wait(), within)
+
+
+def _read(
+    reader: MemoryReader, pid: int, placed_anywhere: bool
+) -> tuple[dict[str, int], str | None]:
+    """In a worker thread: what the process holds, and (for a backend placed on any GPU)
+    the CUDA_VISIBLE_DEVICES it runs with."""
+    return reader.read(pid) or {}, visible_gpu(pid) if placed_anywhere else None
 
 
 def _sizes(vector: Mapping[str, int]) -> str:

@@ -195,6 +195,20 @@ MIGRATIONS: Sequence[Sequence[str]] = (
     # per hour and key or model in the batch, instead of two by the trigger for every row:
     # the writer's SQLite time halves (bench/store_queries.py's writer line).
     ("DROP TRIGGER activity_rollup",),
+    # 6: learned footprints (SPEC §17 M2): what each backend's process held after a load,
+    # per pool, keyed by the backend and its command line (a changed cmd is a new key).
+    (
+        """
+        CREATE TABLE footprints (
+            backend TEXT NOT NULL,
+            command TEXT NOT NULL,         -- a hash of the placement-independent spec
+            pool TEXT NOT NULL,            -- `gpu`: whichever GPU it was placed on (M3)
+            bytes INTEGER NOT NULL,
+            measured_at REAL NOT NULL,     -- unix seconds
+            PRIMARY KEY (backend, command, pool)
+        ) WITHOUT ROWID
+        """,
+    ),
 )
 
 

@@ -7,6 +7,7 @@ from collections import defaultdict
 from typing import Any
 
 from corrallm.api import service, usage
+from corrallm.config.schema import ANY_GPU
 from corrallm.gateway import Gateway
 from corrallm.proxy import audio
 
@@ -49,6 +50,16 @@ def overview(gw: Gateway) -> dict[str, Any]:
     return {"models": data["models"]}
 
 
+FOOTPRINTS = ("declared", "estimated", "measured")
+
+
+def _in_pool(footprint: dict[str, int] | None, pool: str) -> int | None:
+    """A footprint's bytes in `pool`; the placeholder `gpu` counts for whichever GPU."""
+    if footprint is None:
+        return None
+    return footprint.get(pool, footprint.get(ANY_GPU) if pool.startswith("gpu") else None)
+
+
 def residency(gw: Gateway) -> dict[str, Any]:
     pools = {s["name"]: s["pools"] for s in service.overview(gw)["servers"]}
     servers = []
@@ -61,8 +72,9 @@ def residency(gw: Gateway) -> dict[str, Any]:
                     "backend": r["backend"],
                     "state": r["state"],
                     "pinned": r["pinned"],
-                    "declared": r["ram_usage"].get(pool, 0),
-                    "measured": (r["measured"] or {}).get(pool),
+                    "planned": r["ram_usage"].get(pool, 0),
+                    # M2: where the planned number comes from (None: unknown)
+                    **{kind: _in_pool(r.get(kind), pool) for kind in FOOTPRINTS},
                 }
                 for r in server["residents"]
                 if r["ram_usage"].get(pool)
@@ -70,7 +82,7 @@ def residency(gw: Gateway) -> dict[str, Any]:
             x = 0.0
             for r in residents:  # stacked: each segment's offset and width, as % of capacity
                 r["x"] = x
-                r["w"] = 100.0 * r["declared"] / capacity
+                r["w"] = 100.0 * r["planned"] / capacity
                 x += r["w"]
             measured = [r["measured"] for r in residents if r["measured"] is not None]
             rows.append(

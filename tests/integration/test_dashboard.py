@@ -147,6 +147,8 @@ def test_D1_residency_draws_declared_use_per_resident_as_stacked_bars(gw, signed
     backend = gw.api("GET", "residency").json()["servers"][0]["residents"][0]["backend"]
     assert f'data-resident="{backend}"' in html
     assert 'width="25.000"' in html  # 2 GB of 8 GB
+    # M2: the legend says where the planned number comes from
+    assert '<span data-footprint="declared">, 2.0 GB declared</span>' in html
     assert "1.0 GB reserved" in html and 'class="reserve"' in html
 
 

@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import httpx
+import psutil
 import pytest
 from openai import OpenAI
 
@@ -493,3 +494,47 @@ def test_crash_mid_event_tears_the_next_event(spawn: Callable[..., Backend]) -> 
             raw += piece
     assert raw.count(b"\n\n") == 3 and not raw.endswith(b"\n\n")  # 3 whole, 1 torn
     assert b.proc.wait(timeout=DEADLINE) == 1
+
+
+MIB = 1024 * 1024
+
+
+def test_M2_hold_mb_grows_the_rss_once_loaded(spawn: Callable[..., Backend]) -> None:
+    b = spawn("--load-seconds", "1", "--hold-mb", "256", ready=False)
+    wait_until(lambda: b.health() == 503, what="the server answering while loading")
+    proc = psutil.Process(b.proc.pid)
+    loading_rss = proc.memory_info().rss
+    b.wait_line("main: model loaded")
+    grown = proc.memory_info().rss - loading_rss
+    assert 0.9 * 256 * MIB <= grown <= 1.3 * 256 * MIB, f"RSS grew by {grown / MIB:.0f} MiB"
+    b.wait_ready()
+
+
+def test_M5_load_progress_prints_a_line_per_interval_while_loading(
+    spawn: Callable[..., Backend],
+) -> None:
+    b = spawn("--load-seconds", "1.2", "--load-progress", "0.2", ready=False)
+    b.wait_line("main: model loaded")
+    progress = [line for line in b.lines if "loading tensors" in line]
+    assert 3 <= len(progress) <= 6, progress
+    loaded_at = next(i for i, line in enumerate(b.lines) if "model loaded" in line)
+    assert all(b.lines.index(line) < loaded_at for line in progress)
+
+
+def test_M4_die_after_ready_exits_with_code_1(spawn: Callable[..., Backend]) -> None:
+    b = spawn("--die-after-ready", "0.3")
+    assert b.proc.wait(timeout=DEADLINE) == 1
+    b.wait_line("error: the model server died (--die-after-ready)")
+
+
+def test_M4_hang_after_ready_stops_answering_but_stays_alive(
+    spawn: Callable[..., Backend],
+) -> None:
+    b = spawn("--hang-after-ready", "0.3")
+    b.wait_line("not answering anything from now on")
+    with pytest.raises(httpx.TimeoutException):
+        httpx.get(f"{b.url}/health", timeout=0.5)
+    b.proc.send_signal(signal.SIGTERM)  # a hung server does not handle it
+    with pytest.raises(subprocess.TimeoutExpired):
+        b.proc.wait(timeout=0.5)
+    assert b.proc.poll() is None

@@ -232,3 +232,30 @@ models:
     assert list(gw.records()) == ["extension:shared"]
     log = (gw.home / "logs" / "extension_shared.log").read_text()
     assert log.count("starting: ") == 1
+
+
+def test_M4_an_adopted_backend_is_probed_and_failed_when_it_stops_answering(gateway_factory):
+    config = one_model(fake_cmd(), health={"interval": "0.5s", "failures": 2})
+    first = gateway_factory(config)
+    assert httpx.post(first.v1 + "/chat/completions", json=CHAT, timeout=30).status_code == 200
+    record = first.records()["m#0"]
+    first.signal(signal.SIGKILL)
+    first.wait_exit()
+    second = gateway_factory(config, home=first.home)
+    wait_for(lambda: second.state("m#0") == "ready", 10, what="re-adopted")
+    pgid = int(record["pgid"])
+    try:
+        os.killpg(pgid, signal.SIGSTOP)  # alive, but it answers nothing from now on
+        stopped_at = time.monotonic()
+        wait_for(lambda: second.state("m#0") == "failed", 10, what="failed as unresponsive")
+        detected = time.monotonic() - stopped_at
+        wait_for(lambda: not group_alive(pgid), 10, what="the hung group killed")
+        backend = second.overview_backend("m#0")
+        assert str(backend["last_error"]).startswith("unresponsive: 2 health checks in a row")
+        assert detected < 0.5 * 2 + 0.5 + 2.0  # interval x failures + a probe's bound, + slack
+        # Not persistent: the next request starts a new process at once.
+        response = httpx.post(second.v1 + "/chat/completions", json=CHAT, timeout=30)
+        assert response.status_code == 200
+        assert second.pid_of("m#0") != record["pid"]
+    finally:
+        kill_group(pgid)

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import math
+import signal
 import threading
+from pathlib import Path
 
 import httpx
 import psutil
 
-from tests.support.processes import fake_cmd, wait_for
+from tests.support.processes import cleanup, fake_cmd, process_gone, wait_for
 
 
 def chat(gw, model: str, **extra) -> httpx.Response:
@@ -162,3 +165,129 @@ models:
     residents = gw.api("GET", "residency").json()["servers"][0]["residents"]
     assert [r["backend"] for r in residents] == ["forever#0"]
     assert residents[0]["ttl_expires_at"] is None and residents[0]["pinned"] is False
+
+
+# -- SPEC §17 M3: GPU placement ----------------------------------------------------------
+
+
+def gpu_servers() -> str:
+    return """
+scheduler: {maxWait: 5s}
+servers:
+  box: {pools: {gpu0: 24GB, gpu1: 24GB, system: 64GB}, gpus: [gpu0, gpu1]}
+"""
+
+
+def any_gpu_backend(name: str, gpu: str) -> str:
+    cmd = fake_cmd("--model-name", f"{name}-${{GPU}}")
+    return f'{{cmd: "{cmd}", proxy: "${{PORT}}", server: box, ramUsage: {{gpu: {gpu}}}}}'
+
+
+def residents(gw) -> dict[str, dict]:
+    servers = gw.api("GET", "residency").json()["servers"]
+    return {r["backend"]: r for s in servers for r in s["residents"]}
+
+
+def environ(pid: int) -> dict[str, str]:
+    raw = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    return dict(item.decode().split("=", 1) for item in raw if b"=" in item)
+
+
+def test_M3_a_second_backend_lands_on_the_other_gpu_with_its_index(gateway_factory):
+    gw = gateway_factory(
+        gpu_servers()
+        + f"""
+models:
+  a: {{backends: [{any_gpu_backend("a", "18GB")}]}}
+  b: {{backends: [{any_gpu_backend("b", "18GB")}]}}
+"""
+    )
+    assert chat(gw, "a").status_code == 200
+    assert chat(gw, "b").status_code == 200  # 18 + 18 > 24: not beside a, on gpu1
+    held = residents(gw)
+    assert {b: held[b]["gpu"] for b in ("a#0", "b#0")} == {"a#0": "gpu0", "b#0": "gpu1"}
+    assert gw.state("a#0") == "ready"  # nothing was evicted
+    assert "evict backend=" not in gw.log()
+    assert "place backend=b#0 server=box gpu=gpu1 index=1" in gw.log()
+    for backend, index in (("a#0", "0"), ("b#0", "1")):
+        pid = held[backend]["pid"]
+        proc = psutil.Process(pid)
+        assert environ(pid)["CUDA_VISIBLE_DEVICES"] == index
+        assert f"{backend[0]}-{index}" in proc.cmdline()  # ${GPU} in its cmd
+        assert held[backend]["declared"] == {"gpu": 18 * 10**9}
+        pools = {p for p in held[backend]["ram_usage"] if p.startswith("gpu")}
+        assert pools == {f"gpu{index}"}  # counted on the chosen pool, and only there
+        assert held[backend]["ram_usage"][f"gpu{index}"] == 18 * 10**9
+    pools = gw.api("GET", "overview").json()["servers"][0]["pools"]
+    assert (pools["gpu0"]["used"], pools["gpu1"]["used"]) == (18 * 10**9, 18 * 10**9)
+    models = httpx.get(gw.v1 + "/models", timeout=10).json()["data"]
+    assert {"a", "b"} <= {m["id"] for m in models}
+
+
+# -- SPEC §17 M2: learned footprints --------------------------------------------------------
+
+MB = 10**6
+
+
+def holding_backend(mb: int, declared: str) -> str:
+    cmd = fake_cmd("--hold-mb", str(mb))
+    return f'{{cmd: "{cmd}", proxy: "${{PORT}}", server: box, ramUsage: {{system: {declared}}}}}'
+
+
+# By the declarations, big (50MB) and small (200MB) fit together in 500MB; big really holds
+# 300MiB and more (its Python too), so once that is learned they no longer do.
+LEARNING = f"""
+scheduler: {{maxWait: 1s}}
+servers:
+  box: {{pools: {{system: 500MB}}}}
+models:
+  big: {{backends: [{holding_backend(300, "50MB")}]}}
+  small: {{backends: [{holding_backend(0, "200MB")}]}}
+"""
+
+
+def group_rss(pid: int) -> int:
+    root = psutil.Process(pid)
+    return sum(p.memory_info().rss for p in [root, *root.children(recursive=True)])
+
+
+def planned(gw, backend: str) -> float | None:
+    """The `planned` system bytes of `backend` in /metrics (None when absent)."""
+    prefix = f'corrallm_backend_memory_bytes{{backend="{backend}",kind="planned",pool="system"}}'
+    for line in httpx.get(gw.url + "/metrics", timeout=10).text.splitlines():
+        if line.startswith(prefix + " "):
+            return float(line.split()[-1])
+    return None
+
+
+def test_M2_planning_learns_what_a_backend_holds_and_a_restart_remembers_it(
+    gateway_factory, tmp_path
+):
+    home = tmp_path / "shared-home"
+    gw = gateway_factory(LEARNING, home=home)
+    assert planned(gw, "big#0") == 50 * MB  # nothing learned yet: the declaration
+    assert chat(gw, "big").status_code == 200
+    held = wait_for(
+        lambda: (r := residents(gw).get("big#0")) and r["measured"] and r, 20, what="measured"
+    )
+    rss = group_rss(held["pid"])
+    measured = held["measured"]["system"]
+    assert measured > 300 * 2**20 and abs(measured - rss) < 0.1 * rss  # measured ~ its RSS
+    assert (held["declared"], held["estimated"]) == ({"system": 50 * MB}, None)
+    assert held["ram_usage"] == {"system": math.ceil(measured * 1.05)}
+    assert "ramUsage mismatch backend=big#0 pool=system declared=50MB" in gw.log()
+    assert planned(gw, "big#0") == math.ceil(measured * 1.05)
+    # small would fit beside big by the declarations; by what big really holds it does not.
+    assert chat(gw, "small").status_code == 200
+    assert gw.state("big#0") == "stopped" and process_gone(held["pid"])
+    assert "evict backend=big#0 for=small#0 server=box" in gw.log()
+    gw.signal(signal.SIGTERM)
+    gw.wait_exit()
+    cleanup(gw)
+    # A restart (same home, so the same store) plans with the learned footprint at once.
+    again = gateway_factory(LEARNING, home=home)
+    assert planned(again, "big#0") == math.ceil(measured * 1.05)
+    assert chat(again, "small").status_code == 200
+    assert chat(again, "big").status_code == 200  # its first load of this run
+    assert again.state("small#0") == "stopped"
+    assert "evict backend=small#0 for=big#0 server=box" in again.log()

@@ -41,16 +41,21 @@ class Clock:
 
 
 class Probe:
-    """The health check: answers `status` (None: connection refused)."""
+    """The health check: answers `status` (None: connection refused), or the next of
+    `script` while there is one; with `hang`, never answers."""
 
     def __init__(self) -> None:
         self.status: int | None = None
+        self.script: list[int | None] = []
+        self.hang = False
         self.asked = 0
 
     async def __call__(self, url: str) -> int | None:
         self.asked += 1
+        if self.hang:
+            await asyncio.get_running_loop().create_future()  # until cancelled
         await asyncio.sleep(0)
-        return self.status
+        return self.script.pop(0) if self.script else self.status
 
 
 class FakeProcesses:
@@ -61,6 +66,7 @@ class FakeProcesses:
         self.history = history
         self.running: dict[int, Spawned] = {}
         self.exit_at_once: int | None = None  # every spawn exits at once with this code
+        self.graces: list[float] = []  # what each stop_group was given
         self.output: Path | None = None
         self._pids = itertools.count(101)
 
@@ -101,6 +107,7 @@ class FakeProcesses:
 
     async def stop_group(self, pgid: int, exited: asyncio.Future[int], grace: float) -> str:
         self.history.append(f"stop_group {pgid}")
+        self.graces.append(grace)
         self.running.pop(pgid, None)
         if not exited.done():
             exited.set_result(-15)
@@ -125,7 +132,10 @@ class World:
         self.probe = Probe()
         self.processes = FakeProcesses(self.history)
         self.bus = Transitions()
-        self.bus.subscribe(moved=lambda _, old, new: self.history.append(f"{old}->{new}"))
+        self.bus.subscribe(moved=self._moved)
+        self.ready_at = 0.0  # when it last became ready
+        self.after_ready: Callable[[], None] = lambda: None  # what the test does then
+        self.back_offs: list[float] = []  # the wait before the next start, at each failure
         self.made: list[Supervisor] = []
 
     def supervisor(self, health_timeout: float = 120.0, **spec: object) -> Supervisor:
@@ -145,6 +155,14 @@ class World:
 
     def mark(self, what: str) -> None:
         self.history.append(what)
+
+    def _moved(self, sup: Supervisor, old: State, new: State) -> None:
+        self.history.append(f"{old}->{new}")
+        if new is State.READY:
+            self.ready_at = self.clock()
+            self.after_ready()
+        if new is State.FAILED:
+            self.back_offs.append(sup.retry_at - self.clock())
 
 
 @pytest.fixture
@@ -289,22 +307,25 @@ async def test_L4_unload_while_draining_waits_for_in_flight_and_admits_no_new_re
     ]
 
 
-async def test_L4_a_ready_process_that_exits_is_reaped_and_restarted_on_demand(
+async def test_M4_a_ready_process_that_exits_is_failed_and_restarted_on_demand_at_once(
     world: World,
 ) -> None:
     sup = world.supervisor()
     world.probe.status = 200
     await sup.ensure_ready()
     world.processes.exit(101, 139)
-    await until(lambda: sup.state is State.STOPPED)
-    await sup.ensure_ready()
+    await until(lambda: sup.state is State.FAILED)
+    world.mark(f"{sup.failure_reason}: {sup.last_error}; available: {sup.available()}")
+    await sup.ensure_ready()  # not refused for a back-off: it is not persistent
     assert world.history == [
         "stopped->starting",
         "spawn 101",
         "starting->ready",
+        "ready->stopping",
         "stop_group 101",
-        "ready->stopped",
-        "stopped->starting",
+        "stopping->failed",
+        "exited: exited unexpectedly with code 139; available: True",
+        "failed->starting",
         "spawn 102",
         "starting->ready",
     ]
@@ -442,4 +463,284 @@ async def test_L6_what_the_backend_prints_while_loading_is_parsed_once_it_is_rea
         2048,
         3,
         ["llama_context: n_ctx = 2048", "initializing slots, n_slots = 3"],
+    )
+
+
+# -- M4: liveness of a ready backend ---------------------------------------------------------
+
+
+def own_tasks() -> list[str]:
+    """The supervisor's watch and revival tasks still running."""
+    return sorted(
+        t.get_name().split("-")[0]
+        for t in asyncio.all_tasks()
+        if t.get_name().startswith(("watch-", "revive-")) and not t.done()
+    )
+
+
+async def test_M4_failed_probes_in_a_row_mark_it_failed_and_kill_it_without_the_full_grace(
+    world: World,
+) -> None:
+    sup = world.supervisor(health={"interval": "10s", "failures": 3}, stop_grace=30)
+    world.probe.status = 200
+    world.after_ready = lambda: setattr(world.probe, "status", 500)
+    await sup.ensure_ready()
+    used = sup.last_used
+    await until(lambda: sup.state is State.FAILED)
+    assert (
+        world.history,
+        world.probe.asked - 1,
+        # Probes at +10, +20 and +30 s; the fake sleep moves time at once, so each probe is
+        # charged its 2 s bound even when it answers at once.
+        world.clock() - world.ready_at,
+        sup.failure_reason,
+        sup.last_error,
+        [line.split("] ")[-1] for line in sup.logs.tail(2)],
+        world.processes.graces,  # a hung process is not waited on for stopGrace
+        sup.last_used == used,  # health polls are not activity
+        sup.available(),
+        own_tasks(),
+    ) == (
+        [
+            "stopped->starting",
+            "spawn 101",
+            "starting->ready",
+            "ready->stopping",
+            "stop_group 101",
+            "stopping->failed",
+        ],
+        3,
+        32.0,
+        "unresponsive",
+        "unresponsive: 3 health checks in a row failed (the last: answered 500)",
+        [
+            "failed: unresponsive: 3 health checks in a row failed (the last: answered 500)",
+            "stopped (terminated)",
+        ],
+        [1.0],
+        True,
+        True,
+        [],
+    )
+
+
+async def test_M4_a_successful_probe_resets_the_count_of_failed_ones(world: World) -> None:
+    sup = world.supervisor(health={"interval": "10s", "failures": 3})
+    world.probe.status = 200
+
+    def script() -> None:
+        world.probe.script = [500, None, 200, 503, 503]
+        world.probe.status = None  # then nothing answers
+
+    world.after_ready = script
+    await sup.ensure_ready()
+    await until(lambda: sup.state is State.FAILED)
+    assert (world.clock() - world.ready_at, world.probe.asked - 1, sup.last_error) == (
+        62.0,  # the 6th probe (at +60 s, its bound charged): the 3rd failure after the success
+        6,
+        "unresponsive: 3 health checks in a row failed (the last: no answer within 2s)",
+    )
+
+
+async def test_M4_a_probe_that_hangs_is_bounded_and_probes_stay_an_interval_apart(
+    world: World,
+) -> None:
+    sup = world.supervisor(health={"interval": "10s", "failures": 2})
+    world.probe.status = 200
+    world.after_ready = lambda: setattr(world.probe, "hang", True)
+    await sup.ensure_ready()
+    await until(lambda: sup.state is State.FAILED)
+    # 1st probe at +10 s, given up at +12 s; the 2nd at +20 s, given up at +22 s.
+    assert (world.clock() - world.ready_at, world.probe.asked - 1) == (22.0, 2)
+
+
+async def test_M4_no_probe_runs_unless_ready_and_every_task_ends_with_the_process(
+    world: World,
+) -> None:
+    sup = world.supervisor(health={"interval": "1s"})
+    seen: list[str] = []
+    world.probe.status = 200
+    for how in ("unload", "pause", "stop", "retire"):
+        await sup.ensure_ready()
+        await until(lambda: world.probe.asked > 3)  # probed while ready
+        await {"unload": sup.unload, "pause": sup.pause, "stop": sup.stop, "retire": sup.retire}[
+            how
+        ]()
+        asked = world.probe.asked
+        for _ in range(5):
+            await world.clock.sleep(10)
+        seen.append(f"{how}: {sup.state}, {world.probe.asked - asked} probes, {own_tasks()}")
+        sup.unpause()
+    assert seen == [
+        "unload: stopped, 0 probes, []",
+        "pause: paused, 0 probes, []",
+        "stop: stopped, 0 probes, []",
+        "retire: stopped, 0 probes, []",
+    ]
+
+
+async def test_M4_a_backend_that_fails_while_draining_ends_the_unload_as_failed(
+    world: World,
+) -> None:
+    sup = world.supervisor(health={"interval": "1s", "failures": 1})
+    world.probe.status = 200
+    await sup.ensure_ready()
+    assert sup.enter()
+    unloading = asyncio.ensure_future(sup.unload())
+    await until(lambda: sup.state is State.DRAINING)
+    world.probe.status = None  # hangs with a request in flight
+    await unloading
+    sup.leave()  # its request ended with a 502 once the group was gone
+    assert (world.history[3:], own_tasks()) == (
+        ["ready->draining", "draining->stopping", "stop_group 101", "stopping->failed"],
+        [],
+    )
+
+
+async def test_M4_a_persistent_backend_is_restarted_with_a_back_off_that_grows_while_it_keeps_dying(
+    world: World,
+) -> None:
+    sup = world.supervisor(health={"interval": "10s"})
+    sup.keep_alive = True
+    world.probe.status = 200
+    await sup.ensure_ready()
+    for pid in (101, 102, 103):  # each dies right after it becomes ready
+        world.processes.exit(pid, 1)
+        await until(lambda p=pid: sup.state is State.READY and sup.pid == p + 1)
+    await until(lambda: sup.failures == 0)  # healthy for a probe interval: the count resets
+    world.processes.exit(104, 1)
+    await until(lambda: sup.state is State.READY and sup.pid == 105)
+    await until(lambda: own_tasks() == ["watch"])  # the revival ends once it is ready
+    assert (world.back_offs, world.history.count("stopping->failed")) == ([1.0, 2.0, 4.0, 1.0], 4)
+
+
+async def test_M4_a_persistent_backend_whose_restart_fails_keeps_backing_off(
+    world: World,
+) -> None:
+    sup = world.supervisor(health={"interval": "10s"})
+    sup.keep_alive = True
+    world.probe.status = 200
+    await sup.ensure_ready()
+    world.processes.exit_at_once = 3  # restarts fail
+    world.processes.exit(101, 1)
+    await until(lambda: world.history.count("starting->failed") == 2)
+    world.processes.exit_at_once = None
+    await until(lambda: sup.state is State.READY)
+    # died (1 s) -> failed start (2 s) -> failed start (4 s) -> ready
+    assert (world.back_offs, sup.pid) == ([1.0, 2.0, 4.0], 104)
+
+
+async def test_M4_pausing_a_failed_persistent_backend_ends_its_revival(world: World) -> None:
+    sup = world.supervisor(health={"interval": "10s"})
+    sup.keep_alive = True
+    world.probe.status = 200
+    await sup.ensure_ready()
+    world.processes.exit(101, 1)
+    await until(lambda: sup.state is State.FAILED and own_tasks() == ["revive"])
+    await sup.pause()
+    for _ in range(5):
+        await world.clock.sleep(10)
+    assert (sup.state, own_tasks(), world.history.count("spawn 102")) == (State.PAUSED, [], 0)
+
+
+async def test_M4_a_docker_backend_that_stops_answering_is_stopped_by_its_command(
+    world: World,
+) -> None:
+    spec = Backend(proxy="5800", supervision="docker", docker_container="box", stop_grace=3)
+    sup = Supervisor(
+        "d#0",
+        spec,
+        world.probe,
+        world.home,
+        clock=world.clock,
+        bus=world.bus,
+        processes=world.processes,
+        sleep=world.clock.sleep,
+    )
+    world.made.append(sup)
+    world.probe.status = 200
+    world.after_ready = lambda: setattr(world.probe, "status", None)
+    await sup.ensure_ready()
+    await until(lambda: sup.state is State.FAILED)
+    assert (world.history, sup.failure_reason) == (
+        [
+            "stopped->starting",
+            "run docker start box",
+            "starting->ready",
+            "ready->stopping",
+            "run docker stop -t 3 box",
+            "stopping->failed",
+        ],
+        "unresponsive",
+    )
+
+
+# -- M5: stall-aware starts --------------------------------------------------------------------
+
+
+async def test_M5_a_silent_start_whose_health_answer_does_not_change_fails_as_stalled(
+    world: World,
+) -> None:
+    sup = world.supervisor(health={"stallTimeout": "5s"})
+    world.probe.status = 503
+    began = world.clock()
+    message = await failure(asyncio.ensure_future(sup.ensure_ready()))
+    assert (
+        world.history,
+        round(world.clock() - began, 6) <= 5.0 + HEALTH_POLL_SECONDS,
+        sup.failure_reason,
+        message.split(". corrallm")[0],
+    ) == (
+        ["stopped->starting", "spawn 101", "stop_group 101", "starting->failed"],
+        True,
+        "stalled",
+        "BackendFailed: backend 'm#0' failed to start: stalled: no output and no change in its "
+        "health answer for 5s (health.stallTimeout)",
+    )
+
+
+async def test_M5_a_start_that_keeps_logging_or_changing_its_answer_is_not_stalled(
+    world: World,
+) -> None:
+    sup = world.supervisor(health={"stallTimeout": "5s"})
+    world.probe.status = None
+    began = world.clock()
+    starting = asyncio.ensure_future(sup.ensure_ready())
+    await until(lambda: world.processes.running)
+    printed = began
+    while not starting.done():  # prints every 2 s for 20 s, then answers 503 and goes quiet
+        now = world.clock()
+        if now - began < 20 and now - printed >= 2:
+            world.processes.print(f"loading tensors ... {int(now - began)}s")
+            printed = now
+        if now - began >= 20:
+            world.probe.status = 503  # a change of answer: the stall clock starts again
+        await asyncio.sleep(0)
+    message = await failure(starting)
+    # The last output at 18 s, the answer's change at 20 s: stalled 5 s later, not before.
+    assert (
+        25.0 <= world.clock() - began <= 25.0 + 2 * HEALTH_POLL_SECONDS,
+        "stalled" in message,
+    ) == (
+        True,
+        True,
+    )
+
+
+async def test_M5_start_timeout_overrides_the_health_timeout_even_for_a_logging_start(
+    world: World,
+) -> None:
+    sup = world.supervisor(health_timeout=120.0, health={"startTimeout": "3s"})
+    world.probe.status = 503
+    began = world.clock()
+    starting = asyncio.ensure_future(sup.ensure_ready())
+    await until(lambda: world.processes.running)
+    while not starting.done():
+        world.processes.print("loading ...")
+        await asyncio.sleep(0)
+    message = await failure(starting)
+    assert (round(world.clock() - began, 6), message.split(". corrallm")[0]) == (
+        3.0,
+        "BackendFailed: backend 'm#0' failed to start: did not become healthy within 3s "
+        "(health.startTimeout)",
     )
