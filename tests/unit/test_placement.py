@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 
 from corrallm.residency.placement import Choice, concrete_need, gpu_index, place
 from corrallm.residency.planner import Plan, Resident, free_space
+from tests.support.residents import residents
 
 GB = 10**9
 GPUS = ("gpu0", "gpu1")
@@ -114,20 +115,7 @@ def test_M3_the_concrete_need_counts_gpu_on_the_chosen_pool():
 # -- properties ----------------------------------------------------------------------
 
 POOLS = ["gpu0", "gpu1", "gpu2", "system"]
-residents_st = st.lists(
-    st.builds(
-        Resident,
-        id=st.uuids().map(str),
-        usage=st.dictionaries(st.sampled_from(POOLS), st.integers(0, 40), max_size=2),
-        idle=st.booleans(),
-        pinned=st.booleans(),
-        last_used=st.floats(0, 100),
-        ttl_expires_at=st.none() | st.floats(0, 100),
-        evict_cost=st.sampled_from(["low", "medium", "high"]),
-    ),
-    max_size=8,
-    unique_by=lambda x: x.id,
-)
+residents_st = residents(POOLS, pools_each=2)
 gpus_st = st.lists(st.sampled_from(POOLS[:3]), min_size=1, max_size=3, unique=True)
 need_st = st.fixed_dictionaries(
     {"gpu": st.integers(1, 60)}, optional={"system": st.integers(1, 60)}

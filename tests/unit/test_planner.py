@@ -6,6 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from corrallm.residency.planner import Resident, eviction_order, free_space, plan
+from tests.support.residents import residents
 
 GB = 10**9
 CAP = {"gpu0": 32 * GB, "system": 64 * GB}
@@ -58,21 +59,9 @@ def test_R2_residents_holding_nothing_we_lack_are_not_evicted():
     assert plan(CAP, RESERVE, residents, {"gpu0": 10 * GB}, 0).evict == ("gpu",)
 
 
-pools = st.sampled_from(["gpu0", "gpu1", "system"])
-residents_st = st.lists(
-    st.builds(
-        Resident,
-        id=st.uuids().map(str),
-        usage=st.dictionaries(pools, st.integers(0, 40), max_size=3),
-        idle=st.booleans(),
-        pinned=st.booleans(),
-        last_used=st.floats(0, 100),
-        ttl_expires_at=st.none() | st.floats(0, 100),
-        evict_cost=st.sampled_from(["low", "medium", "high"]),
-    ),
-    max_size=8,
-    unique_by=lambda x: x.id,
-)
+POOLS = ["gpu0", "gpu1", "system"]
+pools = st.sampled_from(POOLS)
+residents_st = residents(POOLS, pools_each=3)
 
 
 @settings(max_examples=300, deadline=None)
