@@ -31,7 +31,9 @@ _UNSAFE = re.compile(r"[^A-Za-z0-9_-]+")
 
 
 def slot_save_dir(cmd: str) -> str | None:
-    """The DIR of `--slot-save-path DIR` in a backend's cmd (split like a shell's), or None."""
+    """The DIR of `--slot-save-path DIR` in a backend's cmd (split like a shell's), or None.
+    `--slot-save-path=DIR` is read too, as the config check accepts it, though llama-server
+    itself refuses that form (and refuses to start when DIR is not a directory)."""
     try:
         argv = shlex.split(cmd)
     except ValueError:
