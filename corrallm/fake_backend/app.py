@@ -9,17 +9,19 @@ import secrets
 import sys
 import time
 from collections import deque
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from typing import Any
 
 import orjson
 
 import corrallm.fake_backend.responses as r
-from corrallm.fake_backend.exchange import Exchange, Receive, Scope, Send
+from corrallm.fake_backend.exchange import Exchange, Receive, Route, Scope, Send
+from corrallm.fake_backend.memory import HeldMemory
 from corrallm.fake_backend.options import Options
 from corrallm.fake_backend.realtime import realtime
+from corrallm.fake_backend.sleep import SLEEPING_BODY, SleepMode
+from corrallm.fake_backend.slots import Slots
 
-Handler = Callable[[Exchange, bool], Awaitable[None]]  # (exchange, inject the faults)
 HEALTH_PATHS = frozenset({"/health", "/healthz", "/v1/health"})
 HEALTH_OK = b'{"status":"ok"}'
 INDEX_HTML = (
@@ -60,8 +62,10 @@ class FakeBackend:
         self._id_prefix = secrets.token_hex(4)
         self._cache: dict[tuple[Any, ...], bytes | tuple[list[bytes], int]] = {}
         self._faulty_left = opts.faulty_requests  # None: every request
+        self.sleep = SleepMode(opts, log, HeldMemory())
+        self.slots = Slots(opts, log)
         chat, completions = self._chat, self._completions
-        self.routes: dict[str, tuple[str, Handler]] = {
+        self.routes: dict[str, Route] = {
             "/v1/chat/completions": ("POST", chat),
             "/chat/completions": ("POST", chat),
             "/v1/completions": ("POST", completions),
@@ -78,6 +82,12 @@ class FakeBackend:
             "/props": ("GET", self._props),
             "/": ("GET", self._index),
         }
+        # Inference (refused while asleep, given the faults) is every POST route above;
+        # the control routes below (sleep, slots) are neither, nor in the in-flight counts.
+        self.inference = frozenset(p for p, (m, _) in self.routes.items() if m == "POST")
+        control = {**self.sleep.routes(), **self.slots.routes()}
+        self.control = frozenset(control)
+        self.routes.update(control)
 
     def loaded(self) -> bool:
         return time.monotonic() >= self.ready_at
@@ -86,6 +96,10 @@ class FakeBackend:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "websocket" and scope["path"] == "/v1/realtime":
+            if self.sleep.asleep:  # refused before the handshake (an HTTP 403)
+                await receive()
+                await send({"type": "websocket.close", "code": 1013})
+                return
             await realtime(scope, receive, send)
             return
         if scope["type"] != "http":
@@ -103,8 +117,10 @@ class FakeBackend:
             await self._debug(ex, path)
             return
         stats = self.stats
-        stats["in_flight"] += 1
-        stats["max_in_flight"] = max(stats["max_in_flight"], stats["in_flight"])
+        counted = path not in self.control and not path.startswith("/slots/")
+        if counted:
+            stats["in_flight"] += 1
+            stats["max_in_flight"] = max(stats["max_in_flight"], stats["in_flight"])
         try:
             await ex.read_body()
             if not self.opts.fast:
@@ -114,11 +130,9 @@ class FakeBackend:
             pass
         finally:
             ex.close()
-            stats["in_flight"] -= 1
-            if ex.finished:
-                stats["completed"] += 1
-            else:
-                stats["cancelled"] += 1
+            if counted:
+                stats["in_flight"] -= 1
+                stats["completed" if ex.finished else "cancelled"] += 1
             if not self.opts.fast:
                 self.log(
                     f"srv  log_server_r: request: {scope['method']} {path} {ex.status or 499}"
@@ -126,7 +140,7 @@ class FakeBackend:
                 )
 
     async def _dispatch(self, ex: Exchange, path: str) -> None:
-        route = self.routes.get(path)
+        route = self.routes.get(path) or self.slots.route(path)
         if route is None:
             await ex.respond(404, r.error_body(f"File Not Found: {path}", "not_found_error", 404))
             return
@@ -138,7 +152,10 @@ class FakeBackend:
         if not self.loaded():
             await ex.respond(503, r.LOADING_BODY)
             return
-        faulty = method == "POST" and self._faulty()
+        if path in self.inference and self.sleep.asleep:
+            await ex.respond(503, SLEEPING_BODY)
+            return
+        faulty = path in self.inference and self._faulty()
         if faulty and self.opts.hang:
             self.log(f"srv  hang: not answering {path} (--hang)")
             await ex.until_gone()
@@ -193,6 +210,8 @@ class FakeBackend:
                 "health_checks": self.health_checks,
                 "loaded": self.loaded(),
                 "ready_at": self.ready_at,  # monotonic: comparable across processes here
+                **self.sleep.stats(),
+                **self.slots.stats(),
             }
             await ex.respond(200, orjson.dumps(body))
         else:
@@ -225,11 +244,13 @@ class FakeBackend:
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:
             raise BadRequest("'messages' is required and must be a non-empty list")
+        words = r.prompt_words(messages)
         call = r.tool_call(body) if self.opts.tool_calls else None
-        if call is not None:
-            await self._tool_call(ex, body, call, r.count_words(messages))
-            return
-        await self._generate(ex, body, True, r.count_words(messages), faulty)
+        with self.slots.run(body, words, r.plan(body, self.opts.tokens)[0]):
+            if call is not None:
+                await self._tool_call(ex, body, call, len(words))
+            else:
+                await self._generate(ex, body, True, len(words), faulty)
 
     async def _tool_call(
         self, ex: Exchange, body: dict[str, Any], call: dict[str, Any], prompt: int
@@ -249,7 +270,9 @@ class FakeBackend:
         body = self._body(ex)
         if "prompt" not in body:
             raise BadRequest("'prompt' is required")
-        await self._generate(ex, body, False, r.count_words(body["prompt"]), faulty)
+        words = r.prompt_words(body["prompt"])
+        with self.slots.run(body, words, r.plan(body, self.opts.tokens)[0]):
+            await self._generate(ex, body, False, len(words), faulty)
 
     async def _generate(
         self, ex: Exchange, body: dict[str, Any], chat: bool, prompt: int, faulty: bool = False

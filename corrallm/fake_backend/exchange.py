@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
+from urllib.parse import parse_qs
 
 import orjson
 
@@ -51,6 +52,10 @@ class Exchange:
         if self._json is ...:
             self._json = orjson.loads(self.body) if self.body else None
         return self._json
+
+    def query(self) -> dict[str, list[str]]:
+        """The query string's parameters, each with every value it was given."""
+        return parse_qs(self.scope["query_string"].decode("latin-1"))
 
     def json_or_none(self) -> Any:
         try:
@@ -133,3 +138,7 @@ class Exchange:
         await self.send({"type": "http.response.body", "body": b""})
         self.finished = True
         return True
+
+
+Handler = Callable[[Exchange, bool], Awaitable[None]]  # (exchange, inject the faults)
+Route = tuple[str, Handler]  # (method, handler)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 from dataclasses import dataclass
 
 
@@ -34,6 +35,14 @@ class Options:
     load_progress: float | None = None
     hang_after_ready: float | None = None
     die_after_ready: float | None = None
+    sleep_mode: bool = False
+    sleep_seconds: float = 0.0
+    wake_seconds: float = 0.0
+    wake_fails: bool = False
+    asleep_mb: int = 0
+    slot_save_path: str | None = None
+    slot_save_seconds: float = 0.0
+    slot_restore_seconds: float = 0.0
 
     @property
     def n_ctx_slot(self) -> int:
@@ -65,14 +74,48 @@ def _count(text: str) -> int:
     return value
 
 
+def _directory(text: str) -> str:
+    if not os.path.isdir(text):
+        raise argparse.ArgumentTypeError(f"not a directory: {text}")  # llama-server's words
+    return text
+
+
+EPILOG = """\
+vLLM's sleep mode (--sleep-mode): POST /sleep?level=1|2 (200, empty body), POST /wake_up
+(optional ?tags=weights&tags=kv_cache; 200, empty body), GET /is_sleeping ->
+{"is_sleeping": bool}. A real vLLM exposes them only when started with
+--enable-sleep-mode AND the environment variable VLLM_SERVER_DEV_MODE=1 (they are
+development endpoints; without that variable they answer 404). Sleep mode came in vLLM
+v0.7.0 (LLM.sleep/LLM.wake_up, Python only); the HTTP endpoints came after it (Feb 2025,
+vllm-project/vllm#12987), `tags` on /wake_up with #15500 (Mar 2025), `mode` on /sleep
+later; newer vLLM keeps them in vllm/entrypoints/serve/sleep/api_router.py, still behind
+VLLM_SERVER_DEV_MODE. The fake accepts `mode` and ignores it.
+While asleep every inference route answers 503 {"error": {"message": "model is sleeping;
+POST /wake_up first", "type": "unavailable"}}; /health, /v1/models and /props still answer.
+
+llama-server's slots: GET /slots (one object per slot: id, n_ctx, speculative,
+is_processing, and once it ran a task id_task, n_prompt_tokens, n_prompt_tokens_processed,
+n_prompt_tokens_cache, next_token). With --slot-save-path DIR: POST /slots/{id}?action=save
+or ?action=restore with {"filename": NAME} (a bare name inside DIR), and ?action=erase;
+without it they answer 501 not_supported_error, as llama-server does.
+
+/debug/stats adds: sleeping, sleep_level, sleeps, wakes, wake_failures, held_mb,
+slot_saves, slot_restores, slot_files_saved, slot_files_restored.
+"""
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="corrallm fake-backend",
         description=(
-            "A fake OpenAI-compatible backend that behaves like llama-server: health 503 while "
-            "'loading', chat/completions/embeddings/rerank/audio, SSE streaming with usage, "
-            "llama-server-like log lines. Used by the demo config, the tests and the benchmarks."
+            "A fake OpenAI-compatible backend that behaves like llama-server: health 503 while\n"
+            "'loading', chat/completions/embeddings/rerank/audio, SSE streaming with usage,\n"
+            "llama-server-like log lines, llama-server's slot save/restore and (with\n"
+            "--sleep-mode) vLLM's sleep mode. Used by the demo config, the tests and the\n"
+            "benchmarks."
         ),
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     seconds, count = _seconds, _count
     p.add_argument("--port", type=int, required=True, help="TCP port to listen on")
@@ -180,7 +223,74 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="after being healthy for SECONDS, print an error and exit with code 1",
     )
+    _sleep_flags(p)
+    _slot_flags(p)
     return p
+
+
+def _sleep_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--sleep-mode",
+        action="store_true",
+        help="expose vLLM's sleep-mode endpoints POST /sleep?level=N, POST /wake_up, GET "
+        "/is_sleeping (see below); without it they answer 404, as on a vLLM started without "
+        "--enable-sleep-mode and VLLM_SERVER_DEV_MODE=1",
+    )
+    p.add_argument(
+        "--sleep-seconds",
+        type=_seconds,
+        metavar="SECONDS",
+        default=0.0,
+        help="how long POST /sleep takes before it answers (inference is refused from its "
+        "start; default 0)",
+    )
+    p.add_argument(
+        "--wake-seconds",
+        type=_seconds,
+        metavar="SECONDS",
+        default=0.0,
+        help="how long POST /wake_up takes before it answers (default 0)",
+    )
+    p.add_argument(
+        "--wake-fails",
+        action="store_true",
+        help="every POST /wake_up answers 500 with a JSON error (after --wake-seconds) and the "
+        "backend stays asleep",
+    )
+    p.add_argument(
+        "--asleep-mb",
+        type=_count,
+        metavar="MIB",
+        default=0,
+        help="what is left of --hold-mb while asleep: a sleep frees the held memory down to "
+        "this many MiB (default 0) and a wake allocates and touches it again",
+    )
+
+
+def _slot_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--slot-save-path",
+        type=_directory,
+        metavar="DIR",
+        default=None,
+        help="enable llama-server's POST /slots/{id}?action=save|restore|erase, writing and "
+        "reading slot caches as DIR/<filename> (an existing directory, as llama-server "
+        "requires); without it those answer 501",
+    )
+    p.add_argument(
+        "--slot-save-seconds",
+        type=_seconds,
+        metavar="SECONDS",
+        default=0.0,
+        help="how long a slot save takes before it writes the file and answers (default 0)",
+    )
+    p.add_argument(
+        "--slot-restore-seconds",
+        type=_seconds,
+        metavar="SECONDS",
+        default=0.0,
+        help="how long a slot restore takes before it reads the file and answers (default 0)",
+    )
 
 
 def parse_options(argv: list[str]) -> Options:

@@ -32,18 +32,23 @@ def tokens(n: int) -> list[str]:
 
 def count_words(value: Any) -> int:
     """Rough token estimate: whitespace-separated words in strings, one per int in token lists."""
+    return len(prompt_words(value))
+
+
+def prompt_words(value: Any) -> list[str]:
+    """The prompt's words in order (ints of a token list as words): what a slot's cache holds."""
     if isinstance(value, str):
-        return len(value.split())
+        return value.split()
     if isinstance(value, int) and not isinstance(value, bool):
-        return 1
+        return [str(value)]
     if isinstance(value, list):
-        return sum(count_words(v) for v in value)
+        return [word for v in value for word in prompt_words(v)]
     if isinstance(value, dict):
         if "content" in value:
-            return count_words(value["content"])
+            return prompt_words(value["content"])
         if value.get("type") == "text":
-            return count_words(value.get("text"))
-    return 0
+            return prompt_words(value.get("text"))
+    return []
 
 
 def usage(prompt: int, completion: int) -> dict[str, int]:

@@ -109,11 +109,8 @@ async def _serve(opts: Options, sock: socket.socket, ready_at: float, exit_code:
     loop = asyncio.get_running_loop()
     app = FakeBackend(opts, log, ready_at)
 
-    held: list[bytearray] = []  # --hold-mb: kept for the process's life
-
     def loaded() -> None:
-        if opts.hold_mb:
-            held.append(_hold(opts.hold_mb))
+        app.sleep.load()  # --hold-mb: held until a sleep (--sleep-mode) frees it
         log("main: model loaded")
         log("srv  update_slots: all slots are idle")
 
@@ -161,13 +158,6 @@ async def _serve(opts: Options, sock: socket.socket, ready_at: float, exit_code:
     )
     server = _Server(config, ignore_sigterm=opts.ignore_sigterm)
     await server.serve(sockets=[sock])
-
-
-def _hold(mib: int) -> bytearray:
-    """Allocate `mib` MiB and write every page so that it is resident, not just reserved."""
-    block = bytearray(mib * 1024 * 1024)
-    block[::4096] = b"\x01" * (len(block) // 4096)
-    return block
 
 
 def _progress(loop: asyncio.AbstractEventLoop, every: float, ready_at: float) -> None:
