@@ -168,6 +168,7 @@ class Gateway:
             self.health_timeout,
             bus=self.bus,
             room=self.residency.make_room,
+            call=self.probe.call,
         )
 
     def _place(self, topology: Topology) -> None:

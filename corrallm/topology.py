@@ -166,4 +166,5 @@ def _tenancy(
         ttl=max(ttls) if ttls and len(ttls) == len(models) else None,
         evict_cost=max(costs, key=EVICT_COSTS.index, default="medium"),
         gpus=tuple(gpus),
+        sleep_usage=dict(spec.sleep_usage) if spec.sleep is not None else None,
     )

@@ -167,7 +167,50 @@ class Health(Section):
 
 class Swap(Section):
     load_seconds: float | None = Field(None, ge=0, description="expected load time")
+    wake_seconds: float | None = Field(
+        None, ge=0, description="expected wake time of a sleeping backend (SPEC §18 W1)"
+    )
     load_watts: float = Field(0.0, ge=0, description="power drawn while loading")
+
+
+class HttpCall(Section):
+    """One HTTP call on the backend's own origin (a `sleep: {kind: http}` action)."""
+
+    method: Literal["GET", "POST", "PUT", "DELETE"] = "POST"
+    path: str = Field(pattern=r"^/", description="path (and query) on the backend's origin")
+
+
+class VllmSleep(Section):
+    """vLLM's sleep mode: POST /sleep?level=N, POST /wake_up, GET /is_sleeping (W1)."""
+
+    kind: Literal["vllm"]
+    level: Literal[1, 2] = Field(
+        1, description="1: weights to CPU RAM, KV cache dropped; 2: both dropped"
+    )
+
+
+class HttpSleep(Section):
+    """Any backend with a sleep and a wake call of its own (W1)."""
+
+    kind: Literal["http"]
+    sleep: HttpCall
+    wake: HttpCall
+
+
+def _sleep_kind(value: object) -> str | None:
+    kind = value.get("kind") if isinstance(value, dict) else getattr(value, "kind", None)
+    return {"vllm": "<vllm>", "http": "<http>"}.get(kind) if isinstance(kind, str) else None
+
+
+# The tags (`<…>`) are dropped from error paths by the loader, as for ramUsage.
+SleepSpec = Annotated[
+    Annotated[VllmSleep, Tag("<vllm>")] | Annotated[HttpSleep, Tag("<http>")],
+    Discriminator(
+        _sleep_kind,
+        custom_error_type="sleep_kind",
+        custom_error_message="sleep.kind must be vllm or http",
+    ),
+]
 
 
 class Pricing(Section):
@@ -191,6 +234,17 @@ class ProcessSpec(Section):
         "which is also what an omitted ramUsage means there (SPEC §17 M1)",
     )
     swap: Swap = Field(default_factory=Swap)
+    sleep: SleepSpec | None = Field(
+        None, description="how the process sleeps instead of stopping (SPEC §18 W1)"
+    )
+    sleep_usage: dict[str, Size] = Field(
+        default_factory=dict, description="what the process still holds asleep, per pool"
+    )
+    slot_save: bool = Field(
+        False,
+        description="save llama-server's slot caches before a stop and restore them after "
+        "the next start (needs --slot-save-path in cmd; SPEC §18 W2)",
+    )
     health: Health = Field(default_factory=Health)
     env: dict[str, Text] = Field(default_factory=dict)
     cwd: str | None = None

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import difflib
 import re
+import shlex
 from collections.abc import Iterable, Mapping
 from typing import Any
 from urllib.parse import urlsplit
@@ -79,6 +80,15 @@ def _proxy_text(value: object) -> str | None:
     if isinstance(value, int) and not isinstance(value, bool):
         return str(value)
     return _text(value)
+
+
+def _saves_slots(cmd: str | None) -> bool:
+    """The cmd passes llama-server --slot-save-path (W2)."""
+    try:
+        argv = shlex.split(cmd or "")
+    except ValueError:
+        return False
+    return any(a == "--slot-save-path" or a.startswith("--slot-save-path=") for a in argv)
 
 
 def _names(items: Iterable[str]) -> str:
@@ -230,36 +240,9 @@ class _Checker:
     def check_process(self, loc: Loc, label: str, raw: Mapping[str, Any]) -> None:
         """Rules shared by model backends and extensions."""
         server = self.resolve_server(loc, raw)
-        usage = _map(raw.get("ramUsage"))
-        if server is not None:
-            pools = _map(self.servers[server].get("pools"))
-            gpus = self.servers[server].get("gpus")
-            gpus = [g for g in gpus if isinstance(g, str)] if isinstance(gpus, list) else []
-            for pool in usage:
-                if pool == ANY_GPU and pool not in pools:
-                    if not gpus:
-                        self.add(
-                            (*loc, "ramUsage", pool),
-                            f"'{ANY_GPU}' means any of the server's gpus, and server "
-                            f"'{server}' lists none: add gpus: [gpu0, gpu1] to "
-                            f"servers.{server}, or name the pool",
-                        )
-                    elif placed := sorted(set(usage) & set(gpus)):
-                        self.add(
-                            (*loc, "ramUsage", pool),
-                            f"'{ANY_GPU}' (placed on one of the server's gpus) cannot be "
-                            f"combined with {', '.join(placed)} from the same gpus",
-                        )
-                elif pool not in pools:
-                    self.add(
-                        (*loc, "ramUsage", pool), f"unknown pool '{pool}' on server '{server}'"
-                    )
-        elif usage and not self.servers:
-            self.add(
-                (*loc, "ramUsage"),
-                "no servers are configured, so there are no pools to count this against; "
-                "add a servers section or remove ramUsage",
-            )
+        for key in ("ramUsage", "sleepUsage"):
+            self.check_pools((*loc, key), _map(raw.get(key)), server)
+        self.check_sleep(loc, raw)
 
         cmd, proxy = _text(raw.get("cmd")), _proxy_text(raw.get("proxy"))
         supervision = raw.get("supervision", "process")
@@ -301,6 +284,67 @@ class _Checker:
         for key in required:
             if raw.get(key) is None:
                 self.add((*loc, key), f"missing: supervision: {supervision} needs {key}")
+
+    def check_sleep(self, loc: Loc, raw: Mapping[str, Any]) -> None:
+        """sleep, sleepUsage and slotSave need a process corrallm runs (SPEC §18)."""
+        cmd = _text(raw.get("cmd"))
+        runs = cmd is not None or raw.get("supervision") in ("docker", "systemd", "command")
+        if raw.get("extension") is not None:
+            for key in ("sleep", "sleepUsage", "slotSave"):
+                if raw.get(key):
+                    self.add(
+                        (*loc, key),
+                        f"a hosted backend has no process of its own: put {key} on its extension",
+                    )
+            return
+        if raw.get("sleep") is not None and not runs:
+            self.add(
+                (*loc, "sleep"),
+                "a pure proxy is never started or stopped, so it cannot sleep: give it a "
+                "cmd, or remove sleep",
+            )
+        if _map(raw.get("sleepUsage")) and raw.get("sleep") is None:
+            self.add(
+                (*loc, "sleepUsage"),
+                "what a backend holds asleep needs a way to put it to sleep: add sleep: "
+                "{kind: vllm, level: 1} (or kind: http), or remove sleepUsage",
+            )
+        if raw.get("slotSave") is True and not _saves_slots(cmd):
+            self.add(
+                (*loc, "slotSave"),
+                "slotSave needs a llama-server cmd started with --slot-save-path DIR "
+                "(where its slot caches are written); add it to cmd, or remove slotSave",
+            )
+
+    def check_pools(self, loc: Loc, usage: Mapping[str, Any], server: str | None) -> None:
+        """A footprint (ramUsage, sleepUsage) names pools of its server, or `gpu`."""
+        if server is not None:
+            pools = _map(self.servers[server].get("pools"))
+            gpus = self.servers[server].get("gpus")
+            gpus = [g for g in gpus if isinstance(g, str)] if isinstance(gpus, list) else []
+            for pool in usage:
+                if pool == ANY_GPU and pool not in pools:
+                    if not gpus:
+                        self.add(
+                            (*loc, pool),
+                            f"'{ANY_GPU}' means any of the server's gpus, and server "
+                            f"'{server}' lists none: add gpus: [gpu0, gpu1] to "
+                            f"servers.{server}, or name the pool",
+                        )
+                    elif placed := sorted(set(usage) & set(gpus)):
+                        self.add(
+                            (*loc, pool),
+                            f"'{ANY_GPU}' (placed on one of the server's gpus) cannot be "
+                            f"combined with {', '.join(placed)} from the same gpus",
+                        )
+                elif pool not in pools:
+                    self.add((*loc, pool), f"unknown pool '{pool}' on server '{server}'")
+        elif usage and not self.servers:
+            self.add(
+                loc,
+                "no servers are configured, so there are no pools to count this against; "
+                f"add a servers section or remove {loc[-1]}",
+            )
 
     def check_models(self) -> None:
         ids: dict[str, Loc] = {}

@@ -26,6 +26,7 @@ class PidRecord:
     base_url: str
     health_url: str
     cmd: str
+    asleep: bool = False  # W1: re-adopted asleep, not ready
 
     def is_alive(self) -> bool:
         """The recorded process still runs and is the very one we started."""

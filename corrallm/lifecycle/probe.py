@@ -1,7 +1,10 @@
 """The health probe every supervisor is given (SPEC §4 L1): one GET, the status code or
-None. It owns the one aiohttp session the probes share (never the hot path's client)."""
+None; and `call`, any one request to a backend's own API (sleep and wake, W1; slot
+caches, W2). It owns the one aiohttp session they share (never the hot path's client)."""
 
 from __future__ import annotations
+
+from typing import Any
 
 import aiohttp
 
@@ -34,3 +37,19 @@ class HealthProbe:
                 return response.status
         except (aiohttp.ClientError, OSError, TimeoutError):
             return None
+
+    async def call(
+        self, method: str, url: str, body: Any, within: float
+    ) -> tuple[int | None, bytes]:
+        """One request to a backend's management API: (status, body), or (None, b"") when
+        nothing answered within `within` seconds."""
+        if self._session is None:
+            self.open()
+        assert self._session is not None
+        try:
+            async with self._session.request(
+                method, url, json=body, timeout=aiohttp.ClientTimeout(total=within)
+            ) as response:
+                return response.status, await response.read()
+        except (aiohttp.ClientError, OSError, TimeoutError):
+            return None, b""

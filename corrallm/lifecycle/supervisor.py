@@ -26,7 +26,8 @@ from pathlib import Path
 from typing import Any
 
 from corrallm.config.schema import GPU_PLACEHOLDER, PORT_PLACEHOLDER, ProcessSpec
-from corrallm.lifecycle import supervision
+from corrallm.lifecycle import sleep as sleeping
+from corrallm.lifecycle import slots, supervision
 from corrallm.lifecycle.addresses import free_port, origin, port_of, resolve_url
 from corrallm.lifecycle.errors import (
     BackendFailed,
@@ -46,10 +47,11 @@ from corrallm.lifecycle.liveness import (
 from corrallm.lifecycle.logs import LogBuffer
 from corrallm.lifecycle.pidrecords import PidRecord, PidRecords, file_name
 from corrallm.lifecycle.process import Processes, ProcessGroups, Spawned
-from corrallm.lifecycle.state import BUSY, State, check_transition
+from corrallm.lifecycle.state import BUSY, COMING, State, check_transition
 from corrallm.lifecycle.transitions import Transitions
 
 Probe = Callable[[str], Awaitable[int | None]]
+Call = sleeping.Call
 
 
 @dataclass(frozen=True)
@@ -67,6 +69,9 @@ Cause = tuple[str | None, str, str]
 
 HEALTH_POLL_SECONDS = 0.05  # L1: within 250 ms; §13: first byte within 100 ms of healthy
 LOG_TAIL_LINES = 15
+SLEEP_TIMEOUT = 60.0  # W1: a sleep call that takes longer has failed (the process is stopped)
+# W2: saving or restoring slot caches never holds a stop or a start up for longer.
+SLOT_BUDGET = 30.0
 
 
 @dataclass
@@ -98,12 +103,15 @@ class Supervisor:
     processes: Processes = field(default_factory=ProcessGroups)
     # Every wait on time (the health polls); `clock` is every read of it.
     sleep: Sleep = asyncio.sleep
+    # Any other request to the backend's own API: sleep and wake (W1), slot caches (W2).
+    call: Call | None = None
 
     state: State = State.STOPPED
     in_flight: int = 0
     last_used: float = 0.0
     last_error: str | None = None
     last_load_seconds: float | None = None
+    last_wake_seconds: float | None = None
     retired: bool = False  # removed or replaced by a config reload: never started again
     keep_alive: bool = False  # persistent (R3): restarted, with back-off, after it fails (M4)
     started_for: Cause | None = None
@@ -149,14 +157,19 @@ class Supervisor:
                 raise BackendPaused(f"backend '{self.id}' is paused")
             if self.state is State.FAILED and self.clock() < self.retry_at:
                 raise BackendFailed(self._failure_message())
-            if self.state in (State.STOPPED, State.FAILED):
-                # Move to STARTING before yielding, so concurrent cold callers coalesce (L2).
+            if self.state in (State.STOPPED, State.FAILED, State.ASLEEP):
+                # Move before yielding, so concurrent cold callers coalesce (L2, W1).
                 self.started_for = cause
-                self._move(State.STARTING)
-                self._start_task = asyncio.create_task(self._start(), name=f"start-{self.id}")
+                if self.state is State.ASLEEP:
+                    self._move(State.WAKING)
+                    work = self._wake()
+                else:
+                    self._move(State.STARTING)
+                    work = self._start()
+                self._start_task = asyncio.create_task(work, name=f"{self.state}-{self.id}")
                 self._start_task.add_done_callback(_retrieve)
             task = self._start_task
-            if self.state is State.STARTING and task is not None and not task.done():
+            if self.state in COMING and task is not None and not task.done():
                 await asyncio.wait({task})
                 error = None if task.cancelled() else task.exception()
                 if isinstance(error, LifecycleError) and not self.retired:
@@ -198,14 +211,17 @@ class Supervisor:
             if self.state in (State.STOPPED, State.FAILED, State.PAUSED):
                 await self._calm()
                 return
-            if self.state is State.STARTING and not force:
-                raise LifecycleBusy(f"backend '{self.id}' is starting; unload it once ready")
+            if self.state in COMING and not force:
+                raise LifecycleBusy(f"backend '{self.id}' is {self.state}; unload it once ready")
             if self.state in (State.DRAINING, State.STOPPING):
                 await self._next_change()
                 continue
-            if self.state is State.STARTING:
+            if self.state in COMING:
                 await self._cancel_start()
                 continue
+            if self.state is State.ASLEEP:
+                await self._stop_process()
+                return
             self._move(State.DRAINING)
             while self.in_flight > 0 and not force and self._still(State.DRAINING):
                 await self._next_change()
@@ -214,12 +230,40 @@ class Supervisor:
                 return
             # It failed while draining (M4): the loop waits out its teardown.
 
+    async def fall_asleep(self) -> bool:
+        """Put a ready backend to sleep instead of stopping it (W1): drain it (no new request
+        is let in), then its sleep call. True once ASLEEP; a sleep call that fails stops the
+        process instead (it is not known to hold less), and a backend that is not ready, or
+        has no `sleep`, is left as it is (False)."""
+        spec = self.spec.sleep
+        if spec is None or self.call is None or self.state is not State.READY:
+            return False
+        await self._cancel(self._watcher)
+        self._move(State.DRAINING)
+        while self.in_flight > 0 and self._still(State.DRAINING):
+            await self._next_change()
+        if not self._still(State.DRAINING):
+            return False  # it failed meanwhile (M4)
+        began = self.clock()
+        problem = await sleeping.fall_asleep(self.call, origin(self.base_url), spec, SLEEP_TIMEOUT)
+        if not self._still(State.DRAINING):
+            return False
+        if problem is not None:
+            self.logs.note(f"sleep failed: {problem}; stopping it instead")
+            await self._stop_process()
+            return False
+        self.logs.note(f"asleep (sleep took {self.clock() - began:.2f}s)")
+        self._move(State.ASLEEP)
+        self.records.write(self._record())
+        self._start_watch(self.proc)  # its exit is still noticed; it is not probed
+        return True
+
     async def stop(self) -> None:
         """Shutdown: stop whatever runs now, without draining (L5)."""
         while True:
             await self._calm()
             await self._cancel_start()
-            if self.state in (State.READY, State.DRAINING):
+            if self.state in (State.READY, State.DRAINING, State.ASLEEP):
                 await self._stop_process()
             elif self.state is State.STOPPING:  # a failure being handled (M4) ends first
                 await self._next_change()
@@ -233,7 +277,7 @@ class Supervisor:
         """Drain and stop, then stay PAUSED: no request or load starts it (P1)."""
         self._pause_wanted = True
         await self._cancel(self._reviver)
-        if self.state is State.STARTING:
+        if self.state in COMING:
             await self._cancel_start()
         await self.unload()
         # unload() returned without yielding after STOPPED: nobody restarted it in between.
@@ -252,7 +296,7 @@ class Supervisor:
         self.retired = True
         self._notify()
         try:
-            await self.unload(force=self.state is State.STARTING)
+            await self.unload(force=self.state in COMING)
         except LifecycleError as exc:
             self.logs.note(f"retiring: {exc}")
         await self._calm()
@@ -282,9 +326,24 @@ class Supervisor:
         self.logs.note(f"re-adopted pid {record.pid} after a restart of corrallm")
         self._own(proc)
         self._move(State.STARTING)
-        self._move(State.READY)
+        if record.asleep and not await self._still_asleep():
+            self.logs.note("it was asleep, and corrallm cannot wake it: stopping it")
+            self._move(State.READY)
+            await self._stop_process()
+            return False
+        self._move(State.ASLEEP if record.asleep else State.READY)
         self.last_used = self.clock()
         self._start_watch(proc)
+        return True
+
+    async def _still_asleep(self) -> bool:
+        """A re-adopted process recorded asleep (W1) can be woken: it has a `sleep` config
+        and (vLLM) says it is still sleeping."""
+        spec = self.spec.sleep
+        if spec is None or self.call is None:
+            return False
+        if isinstance(spec, sleeping.VllmSleep):
+            return await sleeping.is_sleeping(self.call, origin(self.base_url)) is True
         return True
 
     # -- the machinery ---------------------------------------------------------------
@@ -309,6 +368,43 @@ class Supervisor:
             else:
                 await self._run_stop("start cancelled")
             self._move(State.STOPPED)
+            raise
+
+    async def _wake(self) -> None:
+        """ASLEEP -> WAKING -> READY (W1): room for its whole footprint first (its GPU is the
+        one it sleeps on), then the wake call and a healthy answer. A wake that fails stops
+        the process (-> STOPPED), and the callers' ensure_ready() then starts it anew."""
+        spec = self.spec.sleep
+        assert spec is not None and self.call is not None, "only a sleeper wakes"
+        try:
+            if self.room is not None:
+                try:
+                    await self.room(self)
+                except LifecycleError:
+                    self._move(State.ASLEEP)
+                    if self._watcher is None or self._watcher.done():
+                        self._start_watch(self.proc)
+                    raise
+            await self._cancel(self._watcher)
+            began = self.clock()
+            cap, _ = self._start_cap()
+            problem = await sleeping.wake(self.call, origin(self.base_url), spec, cap)
+            if problem is None and not await self._healthy(
+                origin(self.base_url) + self.spec.health.path
+            ):
+                problem = "its health check did not answer after the wake"
+            if problem is not None:
+                self.logs.note(f"wake failed: {problem}; restarting it")
+                await self._stop_process()
+                return
+            self.last_wake_seconds = self.clock() - began
+            self.last_used = self.clock()
+            self.logs.note(f"awake in {self.last_wake_seconds:.2f}s")
+            self._move(State.READY)
+            self.records.write(self._record())
+            self._start_watch(self.proc)
+        except asyncio.CancelledError:
+            await self._stop_process()
             raise
 
     async def _spawn_and_wait(self, placement: Placement) -> None:
@@ -348,6 +444,8 @@ class Supervisor:
         outcome = await self._await_health(proc)
         if outcome == "healthy":
             self.logs.catch_up()  # what it printed while loading (n_ctx, n_slots) is parsed now
+            if self.spec.slot_save and cmd is not None:
+                await self._restore_slots(cmd)
             self.last_load_seconds = self.clock() - began
             self.last_error = None  # `failures` is reset by the watch, once it stays healthy
             self.last_used = self.clock()
@@ -415,8 +513,8 @@ class Supervisor:
         self._watcher = asyncio.create_task(self._watch(proc), name=f"watch-{self.id}")
 
     def _live(self, proc: Spawned | None) -> bool:
-        """Still the ready (or draining) process this watch is about."""
-        return self.proc is proc and self.state in (State.READY, State.DRAINING)
+        """Still the ready (draining, asleep) process this watch is about."""
+        return self.proc is proc and self.state in (State.READY, State.DRAINING, State.ASLEEP)
 
     async def _watch(self, proc: Spawned | None) -> None:
         """While ready or draining (M4): notice the process exiting on its own, and probe its
@@ -440,6 +538,8 @@ class Supervisor:
                 reason = f"exited unexpectedly with code {exited.result()}"
                 return await self._die(proc, "exited", reason, self.spec.stop_grace)
             next_probe = self.clock() + health.interval  # probes start an interval apart
+            if self.state is State.ASLEEP:
+                continue  # a sleeper need not answer; only its exit is watched (W1)
             answer = await bounded(self.probe, url, bound, self.sleep, exited)
             if not self._live(proc) or (exited is not None and exited.done()):
                 continue  # gone while asked: the exit is handled above
@@ -513,6 +613,8 @@ class Supervisor:
 
     async def _stop_process(self) -> None:
         await self._calm()
+        if self.spec.slot_save and self.state in (State.READY, State.DRAINING):
+            await self._save_slots()
         self._move(State.STOPPING)
         await self._run_stop(None)
         if self.proc is not None:  # what a stop command left of our own group goes too
@@ -520,6 +622,27 @@ class Supervisor:
             self.logs.note(f"stopped ({how})")
             self._forget_process()
         self._move(State.STOPPED)
+
+    async def _save_slots(self) -> None:
+        """W2: every slot's cache to --slot-save-path before the process goes; bounded, and
+        a failure is only logged (the stop goes ahead)."""
+        if self.call is None:
+            return
+        report = await slots.save_slots(
+            self.call, origin(self.base_url), self.id, SLOT_BUDGET, self.clock
+        )
+        self.logs.note(report.describe("saved"))
+
+    async def _restore_slots(self, cmd: str) -> None:
+        """W2: the caches saved at the last stop, before any request is let in; bounded."""
+        directory = slots.slot_save_dir(cmd)
+        if self.call is None or directory is None:
+            return
+        where = Path(self.spec.cwd or ".") / directory
+        report = await slots.restore_slots(
+            self.call, origin(self.base_url), self.id, str(where), SLOT_BUDGET, self.clock
+        )
+        self.logs.note(report.describe("restored"))
 
     async def _run_stop(self, why: str | None) -> None:
         """The strategy's stop command (command, docker, systemd), if it has one."""
@@ -616,6 +739,7 @@ class Supervisor:
             base_url=self.base_url,
             health_url=origin(self.base_url) + self.spec.health.path,
             cmd=self.spec.cmd,
+            asleep=self.state is State.ASLEEP,
         )
 
     def _move(self, new: State) -> None:

@@ -27,13 +27,19 @@ from corrallm.lifecycle.transitions import Transitions
 from corrallm.residency.learning import Learning, in_pools, mismatches
 from corrallm.residency.measure import MemoryReader, command_key, visible_gpu
 from corrallm.residency.placement import Choice, gpu_index, place
-from corrallm.residency.planner import Resident
+from corrallm.residency.planner import Resident, free_space, settle_idle
 from corrallm.store.db import Store
 
 log = logging.getLogger("corrallm.residency")
 
 MEASURED_MARGIN = 1.05  # M2: a measured footprint is planned with 5 % headroom
-HOLDING = frozenset({State.STARTING, State.READY, State.DRAINING, State.STOPPING})
+HOLDING = frozenset(
+    {State.STARTING, State.READY, State.DRAINING, State.STOPPING, State.ASLEEP, State.WAKING}
+)
+# W1: what bringing a backend back is taken to cost, until it is declared (swap.loadSeconds,
+# swap.wakeSeconds) or measured: the planner compares a sleep with a stop by these.
+DEFAULT_LOAD_SECONDS = 30.0
+DEFAULT_WAKE_SECONDS = 5.0
 
 
 class NoRoom(LifecycleError):
@@ -60,7 +66,8 @@ class Tenancy:
     measured: dict[str, int] | None = None  # learned: this process, or an earlier one
     gpus: tuple[str, ...] = ()  # the server's interchangeable GPU pools
     placed: str | None = None  # the GPU pool the current process runs on
-    granted: bool = False  # make_room let the current start in: its memory counts
+    granted: bool = False  # make_room let the current start (or wake) in: its memory counts
+    sleep_usage: dict[str, int] | None = None  # W1: it can sleep, holding this (may name gpu)
 
     @property
     def wanted(self) -> dict[str, int]:
@@ -79,11 +86,30 @@ class Tenancy:
 
     @property
     def usage(self) -> dict[str, int]:
-        """What planning counts now, per concrete pool once placed."""
-        usage = self.need
+        """What planning counts now, per concrete pool once placed: asleep (and waking, until
+        make_room lets the wake in), its sleepUsage (W1)."""
+        return self._here(self.sleep_usage or {} if self.dozing() else self.need)
+
+    @property
+    def awake_usage(self) -> dict[str, int]:
+        """What it holds awake, on the GPU it was placed on."""
+        return self._here(self.need)
+
+    @property
+    def asleep_usage(self) -> dict[str, int] | None:
+        """What it would hold asleep, on the GPU it was placed on; None if it cannot sleep."""
+        return None if self.sleep_usage is None else self._here(self.sleep_usage)
+
+    def _here(self, vector: Mapping[str, int]) -> dict[str, int]:
+        usage = dict(vector)
         if ANY_GPU in usage and self.placed is not None:
             usage[self.placed] = usage.get(self.placed, 0) + usage.pop(ANY_GPU)
         return usage
+
+    def dozing(self) -> bool:
+        """Asleep, or waking without room granted yet: it holds its sleepUsage."""
+        state = self.supervisor.state
+        return state is State.ASLEEP or (state is State.WAKING and not self.granted)
 
     @property
     def measured_here(self) -> dict[str, int] | None:
@@ -106,14 +132,20 @@ class Tenancy:
 
     def resident(self, now: float) -> Resident:
         sup = self.supervisor
+        asleep = sup.state is State.ASLEEP
+        swap = sup.spec.swap
         return Resident(
             id=sup.id,
             usage=self.usage,
-            idle=sup.state is State.READY and sup.in_flight == 0,
+            idle=(sup.state is State.READY and sup.in_flight == 0) or asleep,
             pinned=self.pinned,
             last_used=sup.last_used,
             ttl_expires_at=self.ttl_expires_at(),
             evict_cost=self.evict_cost,
+            asleep=asleep,
+            sleep_usage=None if asleep else self.asleep_usage,
+            load_seconds=_first(swap.load_seconds, sup.last_load_seconds, DEFAULT_LOAD_SECONDS),
+            wake_seconds=_first(swap.wake_seconds, sup.last_wake_seconds, DEFAULT_WAKE_SECONDS),
         )
 
     def ttl_expires_at(self) -> float | None:
@@ -199,7 +231,9 @@ class Residency:
     def could_fit(self, sup: Supervisor) -> bool:
         """Whether a start of `sup` could be placed now, evicting idle residents if needed."""
         tenancy = self.tenancies.get(sup.id)
-        if tenancy is None or tenancy.server is None or sup.state in HOLDING:
+        if tenancy is None or tenancy.server is None:
+            return True
+        if sup.state in HOLDING and not tenancy.dozing():
             return True
         return self._choose(tenancy).fits
 
@@ -218,14 +252,15 @@ class Residency:
                 if choice.gpu is not None and choice.gpu not in logged:
                     logged.add(choice.gpu)
                     self._log_placement(tenancy, choice)
-                if choice.fits and not choice.evict:
+                if choice.fits and not choice.evict and not choice.sleep:
                     current = self.tenancies.get(sup.id)
+                    gpu = choice.gpu or (tenancy.placed if tenancy.dozing() else None)
                     for held in (tenancy, current):  # a reload meanwhile made `current`
                         if held is not None and held.supervisor is sup:
-                            held.placed, held.granted = choice.gpu, True
-                    if choice.gpu is None:
+                            held.placed, held.granted = gpu, True
+                    if gpu is None:
                         return Placement()
-                    return Placement(gpu_index(choice.gpu, tenancy.gpus))
+                    return Placement(gpu_index(gpu, tenancy.gpus))
                 if choice.fits:
                     await self._evict(tenancy, choice)
                     continue
@@ -235,7 +270,8 @@ class Residency:
                 await self._wait_change(remaining)
 
     async def reap_expired(self) -> None:
-        """R4: unload idle, unpinned residents whose `sticky.ttl` has run out."""
+        """R4: put to sleep (W1: where its sleepUsage fits and waking is cheaper than loading)
+        or unload idle, unpinned residents whose `sticky.ttl` has run out."""
         now = self.clock()
         for tenancy in list(self.tenancies.values()):
             sup = tenancy.supervisor
@@ -247,19 +283,40 @@ class Residency:
                 and sup.state is State.READY
                 and sup.in_flight == 0
             ):
+                action = "stop"
+                if tenancy.sleep_usage is not None:
+                    action = settle_idle(self._free(tenancy.server), tenancy.resident(now))
+                verb = "sleep" if action == "sleep" else "unload"
                 log.info(
-                    "unload backend=%s reason=ttl-expired idle=%.0fs", sup.id, now - sup.last_used
+                    "%s backend=%s reason=ttl-expired idle=%.0fs",
+                    verb,
+                    sup.id,
+                    now - sup.last_used,
                 )
-                await sup.unload()
+                if action != "sleep" or not await sup.fall_asleep():
+                    await sup.unload()
 
     # -- the machinery ---------------------------------------------------------------
 
+    def _free(self, server: str | None) -> dict[str, int]:
+        if server is None:
+            return {}
+        pools = self.servers[server]
+        now = self.clock()
+        return free_space(
+            pools.pools, pools.reserve, [t.resident(now) for t in self.residents(server)]
+        )
+
     def _choose(self, tenancy: Tenancy) -> Choice:
+        """Plan a start on any of its GPUs, or a wake (W1) on the GPU it sleeps on."""
         assert tenancy.server is not None, "only tenancies that take room are planned"
         server = self.servers[tenancy.server]
         now = self.clock()
         residents = [t.resident(now) for t in self.residents(tenancy.server, tenancy.supervisor.id)]
-        return place(server.pools, server.reserve, residents, tenancy.need, tenancy.gpus, now)
+        need, gpus = tenancy.need, tenancy.gpus
+        if tenancy.dozing():
+            need, gpus = tenancy.awake_usage, ()
+        return place(server.pools, server.reserve, residents, need, gpus, now)
 
     def _log_placement(self, tenancy: Tenancy, choice: Choice) -> None:
         assert choice.gpu is not None
@@ -275,21 +332,31 @@ class Residency:
         )
 
     async def _evict(self, tenancy: Tenancy, choice: Choice) -> None:
+        """Carry out a plan: its sleepers fall asleep (W1; one whose sleep fails is stopped
+        by its supervisor), the rest are stopped."""
         now = self.clock()
-        for victim in choice.evict:
+        for victim in (*choice.sleep, *choice.evict):
             r = self.tenancies[victim].resident(now)
+            slept = victim in choice.sleep
             reason = "ttl-expired" if r.expired(now) else f"evictCost={r.evict_cost}"
+            if r.asleep:
+                reason = "asleep"
+            frees = r.frees("sleep" if slept else "stop")
             log.info(
-                "evict backend=%s for=%s server=%s reason=%s idle=%.0fs frees=%s%s",
+                "%s backend=%s for=%s server=%s reason=%s idle=%.0fs frees=%s%s",
+                "sleep" if slept else "evict",
                 victim,
                 tenancy.supervisor.id,
                 tenancy.server,
                 reason,
                 now - r.last_used,
-                _sizes(r.usage),
+                _sizes({pool: n for pool, n in frees.items() if n > 0}),
                 f" gpu={choice.gpu}" if choice.gpu else "",
             )
-        await asyncio.gather(*(self.tenancies[v].supervisor.unload() for v in choice.evict))
+        sups = [self.tenancies[v].supervisor for v in (*choice.sleep, *choice.evict)]
+        await asyncio.gather(
+            *(s.fall_asleep() if s.id in choice.sleep else s.unload() for s in sups)
+        )
 
     def _no_room_message(self, tenancy: Tenancy, choice: Choice) -> str:
         assert tenancy.server is not None, "only tenancies that take room are planned"
@@ -321,11 +388,13 @@ class Residency:
         mine = tracked is not None and tracked.supervisor is sup
         if tracked is not None and mine and new not in HOLDING:
             tracked.placed, tracked.granted = None, False  # its memory is given back
+        if tracked is not None and mine and new is State.ASLEEP:
+            tracked.granted = False  # it holds its sleepUsage until a wake is let in
         if tracked is not None and mine and new is State.READY and self.reader is not None:
             task = asyncio.get_running_loop().create_task(self._measure(sup))
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
-        if new not in HOLDING:
+        if new not in HOLDING or new is State.ASLEEP:
             self._notify()
 
     async def _measure(self, sup: Supervisor) -> None:
@@ -390,3 +459,8 @@ def _read(
 
 def _sizes(vector: Mapping[str, int]) -> str:
     return ", ".join(f"{pool} {format_size(n)}" for pool, n in sorted(vector.items())) or "-"
+
+
+def _first(*values: float | None) -> float:
+    """The first value that is set (the last one always is)."""
+    return next(v for v in values if v is not None)

@@ -5,7 +5,7 @@ for the pool `gpu` may run on any one of them. `place()` plans the start on each
 the eviction planner (planner.py) and picks, among the GPUs where it fits:
 
 1. one that needs no eviction;
-2. else the fewest evictions;
+2. else the fewest evictions (a sleep counts as one, W1);
 3. then the cheapest: victims compared worst first by the planner's order (ttl-expired
    before the rest, then `evictCost` low < medium < high);
 4. then the most memory left free on that GPU after the start;
@@ -60,6 +60,10 @@ class Choice:
     def evict(self) -> tuple[str, ...]:
         return self.plan.evict
 
+    @property
+    def sleep(self) -> tuple[str, ...]:
+        return self.plan.sleep
+
 
 def concrete_need(need: Vector, gpu: str) -> dict[str, int]:
     """`need` with its `gpu` part counted on the pool `gpu`."""
@@ -98,10 +102,15 @@ def place(
         if not decision.fits:
             short[gpu] = dict(decision.short or {})
             continue
-        left = [r for r in residents if r.id not in decision.evict]
-        free_after = free_space(capacity, reserve, left).get(gpu, 0) - concrete.get(gpu, 0)
-        costs = sorted((_cost(by_id[v], now) for v in decision.evict), reverse=True)
-        rank: Rank = (len(decision.evict), costs, -free_after, position)
+        left = [r for r in residents if r.id not in decision.evict + decision.sleep]
+        asleep = [by_id[v] for v in decision.sleep]
+        held = free_space(capacity, reserve, left).get(gpu, 0) - sum(
+            (r.sleep_usage or {}).get(gpu, 0) for r in asleep
+        )
+        free_after = held - concrete.get(gpu, 0)
+        victims = decision.evict + decision.sleep
+        costs = sorted((_cost(by_id[v], now) for v in victims), reverse=True)
+        rank: Rank = (decision.actions, costs, -free_after, position)
         ranked.append((rank, Choice(gpu, decision, concrete)))
     if not ranked:
         first = short[gpus[0]] if gpus else {ANY_GPU: need[ANY_GPU]}
