@@ -55,6 +55,9 @@ class Metrics:
         self.loads: Counter[str] = Counter()
         self.load_seconds: defaultdict[str, float] = defaultdict(float)
         self.failures: Counter[tuple[str, str]] = Counter()  # (backend, reason): M4, L3, M5
+        self.sleeps: Counter[str] = Counter()  # W1: real sleeps (asleep, not stopped)
+        self.wakes: Counter[str] = Counter()
+        self.wake_seconds: defaultdict[str, float] = defaultdict(float)
         self._registry = CollectorRegistry(auto_describe=False)
         self._registry.register(self)
 
@@ -80,6 +83,11 @@ class Metrics:
             self.load_seconds[sup.id] += sup.last_load_seconds
         if new is State.FAILED:
             self.failures[(sup.id, sup.failure_reason or "start_exited")] += 1
+        if old is State.DRAINING and new is State.ASLEEP:
+            self.sleeps[sup.id] += 1
+        if old is State.WAKING and new is State.READY and sup.last_wake_seconds is not None:
+            self.wakes[sup.id] += 1
+            self.wake_seconds[sup.id] += sup.last_wake_seconds
 
     def render(self) -> bytes:
         return generate_latest(self._registry)
@@ -126,6 +134,21 @@ class Metrics:
             "Seconds spent starting backends",
             ["backend"],
             self.load_seconds,
+        )
+        yield _counter(
+            "corrallm_backend_sleeps",
+            "Backends put to sleep instead of stopped (W1)",
+            ["backend"],
+            self.sleeps,
+        )
+        yield _counter(
+            "corrallm_backend_wakes", "Completed wakes of sleeping backends", ["backend"], self.wakes
+        )
+        yield _counter(
+            "corrallm_backend_wake_seconds",
+            "Seconds spent waking sleeping backends",
+            ["backend"],
+            self.wake_seconds,
         )
         core = self.gateway.admission.core
         in_flight = GaugeMetricFamily(

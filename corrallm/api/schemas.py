@@ -83,6 +83,9 @@ class BackendView(BaseModel):
     pid: int | None
     extension: str | None
     last_error: str | None
+    sleeps: bool = Field(
+        description="it has a `sleep` config: idle ttl and eviction may put it to sleep (W1)"
+    )
 
 
 class ModelView(BaseModel):
@@ -134,6 +137,10 @@ class ResidentView(BaseModel):
         description="what the process held after its last load (RSS for `system`, NVML for "
         "GPU pools), or what an earlier run learned for the same backend and cmd; null until "
         "measured"
+    )
+    sleep_usage: Footprint | None = Field(
+        description="what it holds asleep (sleepUsage, SPEC §18 W1; null when it cannot "
+        "sleep): ram_usage while asleep, and while waking until room is made for it"
     )
     gpu: str | None = Field(
         description="the GPU pool it was placed on (SPEC §17 M3); null when it asks for no `gpu`"
@@ -281,16 +288,23 @@ class Reservations(BaseModel):
 
 class EconomicsRow(BaseModel):
     backend: str
-    asleep_now: bool = Field(description="stopped, paused or failed: its memory handed back")
-    wakes: int = Field(description="starts that reached ready")
-    sleeps: int = Field(description="stops after a wake (failed starts are not counted)")
+    asleep_now: bool = Field(
+        description="stopped, paused, failed or asleep (W1): its memory handed back"
+    )
+    wakes: int = Field(description="starts and wakes (W1) that reached ready")
+    sleeps: int = Field(
+        description="stops and sleeps (W1) after a wake (failed starts are not counted)"
+    )
     asleep_seconds: float
     wake_count: int = Field(description="wakes with a measured load time")
     wake_seconds_last: float | None
     wake_seconds_avg: float | None
     wake_seconds_max: float | None
     gpu_footprint: Bytes = Field(description="bytes it declares in pools named gpu*")
-    gpu_hours: float = Field(description="hours asleep x GPU footprint / total GPU capacity")
+    gpu_hours: float = Field(
+        description="hours asleep x GPU bytes handed back (the footprint, less a real sleep's "
+        "sleepUsage in gpu* pools) / total GPU capacity"
+    )
     first_seen: str = Field(description="when counting began for it, RFC 3339")
 
 

@@ -235,6 +235,7 @@ def overview(gw: Gateway) -> dict[str, Any]:
                     "pid": endpoint.pid if isinstance(endpoint, Supervisor) else None,
                     "extension": route.config.extension,
                     "last_error": getattr(endpoint, "last_error", None),
+                    "sleeps": isinstance(endpoint, Supervisor) and endpoint.spec.sleep is not None,
                 }
             )
         models.append(
@@ -281,6 +282,7 @@ def residency(gw: Gateway) -> dict[str, Any]:
                     "declared": tenancy.declared,
                     "estimated": tenancy.estimated,
                     "measured": tenancy.measured_here,
+                    "sleep_usage": tenancy.asleep_usage,
                     "gpu": tenancy.placed,
                     "in_flight": sup.in_flight,
                     "last_used": wall(gw, sup.last_used),

@@ -1,8 +1,12 @@
 """The economics ledger (SPEC §11 D1, §14): what sleeping backends gave back to the pool.
 
 Per backend: wakes, sleeps, time asleep, wake latencies observed, and GPU-hours returned
-= sum(hours asleep * the backend's GPU pool footprint) / total GPU capacity (pools whose
-name starts with `gpu`). Counters start at install and live in the store (migration 4).
+= sum(hours asleep * the GPU memory its sleep hands back) / total GPU capacity (pools whose
+name starts with `gpu`). Sleeps and wakes are of two kinds, counted alike: a stop and the
+next start (stopped, paused or failed is asleep), and a real sleep (W1: `asleep`, which
+hands back its GPU footprint less what its `sleepUsage` keeps in GPU pools) and the wake
+that ends it, timed by the supervisor. Counters start at install and live in the store
+(migration 4).
 
 A long-lived owner: built once with the gateway, it subscribes once to the transition bus
 (a plain, synchronous listener that only updates memory) and asks the residency, at each
@@ -33,7 +37,12 @@ from corrallm.store.db import Store
 
 log = logging.getLogger("corrallm.cost")
 
-ASLEEP = frozenset({State.STOPPED, State.PAUSED, State.FAILED})
+ASLEEP = frozenset({State.STOPPED, State.PAUSED, State.FAILED, State.ASLEEP})
+# Transitions that end a wake, and which of the supervisor's timings measured it.
+WAKES = {
+    (State.STARTING, State.READY): "last_load_seconds",
+    (State.WAKING, State.READY): "last_wake_seconds",
+}
 CHECKPOINT_SECONDS = 30.0
 GPU_PREFIX = "gpu"
 
@@ -48,6 +57,8 @@ class Process(Protocol):
     def state(self) -> State: ...
     @property
     def last_load_seconds(self) -> float | None: ...
+    @property
+    def last_wake_seconds(self) -> float | None: ...
 
 
 P = TypeVar("P", bound=Process)  # what the bus carries: a Supervisor
@@ -59,7 +70,9 @@ class Holding(Protocol):
     @property
     def supervisor(self) -> Process: ...
     @property
-    def usage(self) -> Mapping[str, int]: ...
+    def need(self) -> Mapping[str, int]: ...  # what it holds awake
+    @property
+    def sleep_usage(self) -> Mapping[str, int] | None: ...  # what it keeps asleep (W1)
 
 
 class Pools(Protocol):
@@ -130,6 +143,7 @@ class Economics(Generic[P]):
         self.counters: dict[str, Counters] = {}
         self._seen: set[str] = set()  # backends whose first state has been looked at
         self._asleep_since: dict[str, float] = {}
+        self._kept: dict[str, int] = {}  # GPU bytes a real sleep (W1) keeps, while it lasts
         self._woke: set[str] = set()  # awake since the last counted sleep
         self._restored = False
         self._flushing: asyncio.Task[None] | None = None
@@ -141,9 +155,14 @@ class Economics(Generic[P]):
     # -- the config in force --------------------------------------------------------
 
     def footprint(self, backend: str) -> int:
-        """Bytes the backend declares in GPU pools (what its sleep hands back)."""
+        """Bytes the backend holds awake in GPU pools."""
         holding = self.holdings.tenancies.get(backend)
-        return 0 if holding is None else gpu_bytes(holding.usage)
+        return 0 if holding is None else gpu_bytes(holding.need)
+
+    def returned(self, backend: str) -> int:
+        """GPU bytes its open sleep hands back: all of them, but for what a real sleep (W1)
+        keeps in GPU pools."""
+        return max(0, self.footprint(backend) - self._kept.get(backend, 0))
 
     def gpu_capacity(self) -> int:
         return sum(gpu_bytes(server.pools) for server in self.holdings.servers.values())
@@ -157,7 +176,7 @@ class Economics(Generic[P]):
                 self._first_seen(backend, holding.supervisor.state, now)
         for backend in (self._seen | self._asleep_since.keys() | self._woke) - current.keys():
             self._fold(backend, now)
-            self._asleep_since.pop(backend, None)
+            self._close(backend)
             self._woke.discard(backend)
             self._seen.discard(backend)
         return current
@@ -168,7 +187,7 @@ class Economics(Generic[P]):
         if backend in self._asleep_since or backend in self._woke:
             return  # its transitions were heard before the reload made it current
         if state in ASLEEP:
-            self._asleep_since[backend] = now
+            self._open(backend, state, now)
         else:
             self._woke.add(backend)
 
@@ -182,22 +201,33 @@ class Economics(Generic[P]):
         c = self.counters.setdefault(sup.id, Counters(sup.id, now))
         if old in ASLEEP and new not in ASLEEP:
             self._fold(sup.id, now)
-            self._asleep_since.pop(sup.id, None)
+            self._close(sup.id)
         elif old not in ASLEEP and new in ASLEEP:
-            if sup.id in self._woke:  # a failed start is not a sleep
+            if sup.id in self._woke:  # a failed start or wake is not a sleep
                 c.sleeps += 1
                 self._woke.discard(sup.id)
-            self._asleep_since[sup.id] = now
-        if old is State.STARTING and new is State.READY:
+            self._open(sup.id, new, now)
+        timing = WAKES.get((old, new))
+        if timing is not None:
             c.wakes += 1
             self._woke.add(sup.id)
-            latency = sup.last_load_seconds
+            latency = getattr(sup, timing)
             if latency is not None:
                 c.wake_count += 1
                 c.wake_seconds_total += latency
                 c.wake_seconds_max = max(c.wake_seconds_max, latency)
                 c.wake_seconds_last = latency
         self._schedule_flush()
+
+    def _open(self, backend: str, state: State, now: float) -> None:
+        self._asleep_since[backend] = now
+        holding = self.holdings.tenancies.get(backend)
+        if state is State.ASLEEP and holding is not None and holding.sleep_usage:
+            self._kept[backend] = gpu_bytes(holding.sleep_usage)
+
+    def _close(self, backend: str) -> None:
+        self._asleep_since.pop(backend, None)
+        self._kept.pop(backend, None)
 
     def _fold(self, backend: str, now: float) -> None:
         """Move the open asleep interval into the counters (it stays open if still asleep)."""
@@ -209,7 +239,7 @@ class Economics(Generic[P]):
         c.asleep_seconds += seconds
         capacity = self.gpu_capacity()
         if capacity:
-            c.gpu_hours += seconds / 3600 * self.footprint(backend) / capacity
+            c.gpu_hours += seconds / 3600 * self.returned(backend) / capacity
         self._asleep_since[backend] = now
 
     # -- persistence (off the request path) -----------------------------------------
@@ -283,7 +313,7 @@ class Economics(Generic[P]):
             footprint = self.footprint(backend)
             gpu_hours = c.gpu_hours
             if capacity and open_seconds:
-                gpu_hours += open_seconds / 3600 * footprint / capacity
+                gpu_hours += open_seconds / 3600 * self.returned(backend) / capacity
             rows.append(
                 {
                     "backend": backend,

@@ -36,7 +36,9 @@ _RANK = {
     for rank, state in enumerate(
         (
             State.READY,
+            State.WAKING,
             State.STARTING,
+            State.ASLEEP,
             State.DRAINING,
             State.STOPPING,
             State.STOPPED,

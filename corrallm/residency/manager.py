@@ -284,8 +284,12 @@ class Residency:
                 and sup.in_flight == 0
             ):
                 action = "stop"
-                if tenancy.sleep_usage is not None:
-                    action = settle_idle(self._free(tenancy.server), tenancy.resident(now))
+                resident = tenancy.resident(now)
+                if tenancy.sleep_usage is not None and tenancy.server is None:
+                    # It takes no room in any pool (no footprint): asleep it takes none either.
+                    action = "sleep" if resident.may_sleep() else "stop"
+                elif tenancy.sleep_usage is not None:
+                    action = settle_idle(self._free(tenancy.server), resident)
                 verb = "sleep" if action == "sleep" else "unload"
                 log.info(
                     "%s backend=%s reason=ttl-expired idle=%.0fs",

@@ -1,6 +1,10 @@
 """`corrallm verify --model M` (SPEC §11 D2): the whole unattended scale-to-zero cycle against
 a running corrallm (asleep -> request -> wakes -> responds -> idle -> asleep), each step
-printed with its timing; any failure exits non-zero."""
+printed with its timing; any failure exits non-zero.
+
+Asleep is stopped (or failed) for most backends. One with a `sleep` config (SPEC §18 W1)
+must really fall asleep when its `sticky.ttl` runs out, so the cycle's last step waits for
+`asleep` (its process kept) and the wake is a wake, not a cold start."""
 
 from __future__ import annotations
 
@@ -12,6 +16,7 @@ from typing import Any
 import httpx
 
 ASLEEP = ("stopped", "failed")
+SLEEPING = ("asleep",)  # W1: a backend with a `sleep` config, put to sleep by its ttl
 
 
 class VerifyFailed(Exception):
@@ -34,21 +39,32 @@ class Verify:
     def run(self) -> list[tuple[str, float, str]]:
         try:
             backend = self._step("find the model", self._find)
-            if backend["state"] not in ASLEEP:
+            if backend["state"] not in ASLEEP + SLEEPING:
                 self._step("put it to sleep (unload)", self._unload)
-            self._step("confirm asleep", lambda: self._expect(ASLEEP))
-            answer = self._step("request (cold: wakes it)", lambda: self._request(backend))
+            first = self._step("confirm asleep", lambda: self._expect(ASLEEP + SLEEPING))
+            how = "asleep: wakes it" if first in SLEEPING else "cold: wakes it"
+            answer = self._step(f"request ({how})", lambda: self._request(backend))
             self._step("responds", lambda: answer)
             self._step("confirm awake", lambda: self._expect(("ready",)))
             ttl = self._ttl()
             if ttl is None:
                 self._step("idle -> asleep (no sticky.ttl: unload)", self._unload)
-            else:
+                self._step("confirm asleep", lambda: self._expect(ASLEEP))
+                return self.steps
+            asleep = SLEEPING if backend.get("sleeps") else ASLEEP
+            self._step(
+                f"idle -> asleep (sticky.ttl {ttl:g}s)",
+                lambda: self._wait_state(asleep, ttl + 30),
+            )
+            self._step("confirm asleep", lambda: self._expect(asleep))
+            if asleep is SLEEPING:
+                again = self._step("request (asleep: wakes it)", lambda: self._request(backend))
+                self._step("responds", lambda: again)
+                self._step("confirm awake", lambda: self._expect(("ready",)))
                 self._step(
-                    f"idle -> asleep (sticky.ttl {ttl:g}s)",
-                    lambda: self._wait_state(ASLEEP, ttl + 30),
+                    f"idle -> asleep again (sticky.ttl {ttl:g}s)",
+                    lambda: self._wait_state(SLEEPING, ttl + 30),
                 )
-            self._step("confirm asleep", lambda: self._expect(ASLEEP))
         finally:
             self.http.close()
         return self.steps

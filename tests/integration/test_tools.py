@@ -41,6 +41,40 @@ models:
     assert "put it to sleep" not in no_ttl.stdout and "(no sticky.ttl: unload)" in no_ttl.stdout
 
 
+def test_D2_W1_verify_of_a_sleeper_checks_asleep_wakes_responds_asleep(gateway_factory):
+    sleeper = fake_cmd("--sleep-mode", "--load-seconds", "0.3")
+    config = f"""
+models:
+  dozy:
+    sticky: {{ttl: 1s}}
+    backends:
+      - cmd: "{sleeper}"
+        proxy: "${{PORT}}"
+        sleep: {{kind: vllm, level: 1}}
+        swap: {{loadSeconds: 30, wakeSeconds: 1}}
+"""
+    gw = gateway_factory(config)
+    run = corrallm("verify", "--model", "dozy", "--base-url", gw.url, "--token", gw.token)
+    assert run.returncode == 0, run.stdout + run.stderr
+    lines = run.stdout.splitlines()
+    steps = [line[5:47].strip() for line in lines[:-1]]  # "ok   <step, 42 wide> <ms>  <detail>"
+    assert steps == [
+        "find the model",
+        "confirm asleep",
+        "request (cold: wakes it)",
+        "responds",
+        "confirm awake",
+        "idle -> asleep (sticky.ttl 1s)",
+        "confirm asleep",
+        "request (asleep: wakes it)",
+        "responds",
+        "confirm awake",
+        "idle -> asleep again (sticky.ttl 1s)",
+    ]
+    details = [line.rsplit("  ", 1)[-1] for line in lines[:-1]]
+    assert [details[i] for i in (5, 6, 10)] == ["asleep"] * 3  # asleep, never stopped
+
+
 def test_D2_verify_fails_loudly(gateway_factory):
     broken_cmd = fake_cmd("--exit-after-seconds", "0")
     gw = gateway_factory(

@@ -18,12 +18,14 @@ class Proc:
     id: str
     state: State = State.STOPPED
     last_load_seconds: float | None = None
+    last_wake_seconds: float | None = None
 
 
 @dataclass
 class Held:
     supervisor: Proc
-    usage: dict[str, int]
+    need: dict[str, int]
+    sleep_usage: dict[str, int] | None = None
 
 
 @dataclass
@@ -102,6 +104,42 @@ def test_D1_wakes_sleeps_time_asleep_and_gpu_hours_are_counted():
         "first_seen": 1_000_000.0,
     }
     assert (view["gpu_capacity"], view["gpu_hours"], view["avoided_usd"]) == (8 * GB, 0.375, 0.75)
+
+
+def test_W1_D1_a_real_sleep_and_its_wake_count_like_a_stop_and_a_start_but_return_less():
+    economics, bus, residency, clock = ledger()
+    a = Proc("a#0")
+    residency.configure((a, 4 * GB))
+    residency.tenancies["a#0"].sleep_usage = {"gpu0": GB, "ram": 5 * GB}
+    wake(bus, a, 20.0)  # a cold start
+    clock.now += 60
+    move(bus, a, State.DRAINING, State.ASLEEP)  # W1: asleep, keeping 1 GB of the GPU
+    clock.now += 3600  # an hour asleep hands back 3 of its 4 GB of the 8 GB GPU
+    a.last_wake_seconds = 1.25
+    move(bus, a, State.WAKING)
+    clock.now += 1.25
+    move(bus, a, State.READY)
+    clock.now += 60
+    move(bus, a, State.DRAINING, State.ASLEEP)
+    clock.now += 10
+    move(bus, a, State.WAKING, State.ASLEEP)  # no room to wake: no wake, no second sleep
+    clock.now += 3590
+    move(bus, a, State.STOPPING, State.STOPPED)  # a sleeper stopped: the same sleep goes on
+    clock.now += 3600  # stopped, all 4 GB are back
+    row = rows(economics)["a#0"]
+    assert {k: row[k] for k in ("wakes", "sleeps", "asleep_now", "wake_count")} | {
+        "asleep_hours": round(row["asleep_seconds"] / 3600, 6),
+        "wake_seconds": (row["wake_seconds_last"], row["wake_seconds_avg"]),
+        "gpu_hours": round(row["gpu_hours"], 6),
+    } == {
+        "wakes": 2,
+        "sleeps": 2,
+        "asleep_now": True,
+        "wake_count": 2,
+        "asleep_hours": round((3600 + 10 + 3590 + 3600) / 3600, 6),
+        "wake_seconds": (1.25, (20.0 + 1.25) / 2),
+        "gpu_hours": round((1 + 10 / 3600 + 3590 / 3600) * 3 / 8 + 4 / 8, 6),
+    }
 
 
 def test_D1_a_failed_start_is_not_a_sleep():
