@@ -142,7 +142,10 @@ class Metrics:
             self.sleeps,
         )
         yield _counter(
-            "corrallm_backend_wakes", "Completed wakes of sleeping backends", ["backend"], self.wakes
+            "corrallm_backend_wakes",
+            "Completed wakes of sleeping backends",
+            ["backend"],
+            self.wakes,
         )
         yield _counter(
             "corrallm_backend_wake_seconds",

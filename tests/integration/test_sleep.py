@@ -26,14 +26,12 @@ def chat(gw: Gateway, model: str) -> httpx.Response:
     return httpx.post(gw.v1 + "/chat/completions", json=body, timeout=60)
 
 
-def backend(flags: tuple[str, ...], ram: str, asleep: str | None, extra: str = "") -> str:
+def backend(flags: tuple[str, ...], ram: str, asleep: str | None) -> str:
     """A fake backend on server `box`; with `asleep` it sleeps (vLLM kind) holding that."""
     parts = [f'cmd: "{fake_cmd(*flags)}"', 'proxy: "${PORT}"', "server: box"]
     parts.append(f"ramUsage: {{{ram}}}")
     if asleep is not None:
         parts += [VLLM, f"sleepUsage: {{{asleep}}}", SWAP]
-    if extra:
-        parts.append(extra)
     return "{" + ", ".join(parts) + "}"
 
 
@@ -46,13 +44,8 @@ servers:
 
 
 def one_sleeper(*flags: str, ttl: str = "1s") -> str:
-    return (
-        servers()
-        + f"""
-models:
-  a: {{sticky: {{ttl: {ttl}}}, backends: [{backend((*SLEEPY, *flags), "gpu0: 6GB", "system: 6GB")}]}}
-"""
-    )
+    a = backend((*SLEEPY, *flags), "gpu0: 6GB", "system: 6GB")
+    return servers() + f"models:\n  a: {{sticky: {{ttl: {ttl}}}, backends: [{a}]}}\n"
 
 
 def origin_of(gw: Gateway, bid: str) -> str:
@@ -95,10 +88,15 @@ def sleep_pid(gw: Gateway, model: str) -> int:
 
 
 def test_W1_R4_an_idle_ttl_puts_a_sleeper_to_sleep_not_to_stop(gateway_factory):
-    gw = gateway_factory(one_sleeper())
-    assert chat(gw, "a").status_code == 200
+    # `bare` declares no ramUsage: it takes no room in the pools, awake or asleep.
+    bare = f'{{cmd: "{fake_cmd(*SLEEPY)}", proxy: "${{PORT}}", {VLLM}, {SWAP}, '
+    bare += "sleepUsage: {system: 1GB}}"
+    gw = gateway_factory(one_sleeper() + f"  bare: {{sticky: {{ttl: 1s}}, backends: [{bare}]}}\n")
+    assert chat(gw, "a").status_code == 200 and chat(gw, "bare").status_code == 200
     pid = gw.pid_of("a#0")
     asleep(gw, "a#0")
+    asleep(gw, "bare#0")
+    assert stats(gw, "bare#0")["sleeping"] is True
     assert psutil.pid_exists(pid) and not process_gone(pid)  # the very same process lives
     assert gw.pid_of("a#0") == pid
     s = stats(gw, "a#0")
@@ -184,7 +182,7 @@ def test_W1_R2_eviction_stops_a_sleeper_whose_sleep_usage_does_not_fit(gateway_f
 
 
 def test_W1_a_failed_wake_restarts_the_backend_and_the_request_still_succeeds(gateway_factory):
-    gw = gateway_factory(one_sleeper("--wake-fails", ttl="1s"))
+    gw = gateway_factory(one_sleeper("--wake-fails", ttl="2s"))
     pid = sleep_pid(gw, "a")
     response = chat(gw, "a")
     assert response.status_code == 200, response.text
@@ -256,7 +254,7 @@ def test_W1_P6_reload_keeps_an_unchanged_sleeper_asleep_and_replaces_a_changed_o
     assert changed.status_code == 200 and changed.json()["usage"]["completion_tokens"] == 5
     new_pid = gw.pid_of("change#0")
     assert new_pid != pids["change"]
-    # No process leaked: exactly the two current backends run under corrallm.
+    # No process leaked: a shutdown leaves none of the three behind (L5).
     gw.signal(signal.SIGTERM)
     assert gw.wait_exit(30) in (0, -signal.SIGTERM)
     for pid in (pids["keep"], pids["change"], new_pid):
