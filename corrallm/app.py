@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import gc
-import itertools
 import logging
 import signal
 from collections.abc import Awaitable, Callable
@@ -23,11 +22,13 @@ import orjson
 from corrallm.api.auth import authorized, canonical
 from corrallm.gateway import Gateway
 from corrallm.metrics import CONTENT_TYPE
+from corrallm.observe.context import CURRENT, HEADER, Exchange, new_request_id
 from corrallm.proxy import anthropic, audio, inference, realtime, reservations, responses
 from corrallm.proxy.asgi import (
     ASGIApp,
     BodyTooLarge,
     ClientGone,
+    Message,
     Receive,
     Scope,
     Send,
@@ -82,7 +83,6 @@ class CorrallmApp:
         self.gateway = gateway
         self.pipeline = Pipeline(gateway)
         self._admin_token = admin_token
-        self._ids = itertools.count(1)
         self.models = ModelCatalog(self.pipeline)
         self._apis: dict[str, ASGIApp] = {}
         self._building = asyncio.Lock()
@@ -103,51 +103,85 @@ class CorrallmApp:
 
     async def _http(self, scope: Scope, receive: Receive, send: Send) -> None:
         path: str = scope["path"]
-        method: str = scope["method"]
         surface = SURFACES.get(path)
+        if surface is None:
+            await self._answer(self._route(scope, receive, send), openai_error, send, scope)
+            return
+        # A request through the pipeline: its id on every answer, its exchange captured.
+        exchange = Exchange(new_request_id())
+        token = CURRENT.set(exchange)
+        out = _answering(send, exchange)
         try:
-            if surface is not None:
-                _require(method, surface.method, path)
-                await self._with_body(surface.handler, scope, receive, send)
-            elif path == "/v1/capabilities":
-                _require(method, "GET", path)
-                await audio.send_capabilities(self.gateway, scope, send)
-            elif path == "/v1/reservations":
-                await self._with_body(reservations.handle, scope, receive, send)
-            elif path.startswith("/upstream/"):
-                await self._with_body(inference.upstream, scope, receive, send)
-            elif path in ("/health", "/healthz"):
-                await send_bytes(send, 200, _HEALTH)
-            elif path == "/metrics":
-                _require(method, "GET", path)
-                body = self.gateway.metrics.render()
-                await send_bytes(send, 200, body, content_type=METRICS_CONTENT_TYPE)
-            elif path == "/v1/models" or path.startswith("/v1/models/"):
-                _require(method, "GET", path)
-                await self.models.send(scope, send)
-            elif path == "/api" or path.startswith("/api/"):
-                await self._management_api(scope, receive, send)
-            elif is_dashboard_path(path):
-                await self.dashboard(scope, receive, send)
-            else:
-                raise not_found(
-                    f"No endpoint {method} {path}. corrallm serves POST "
-                    + ", ".join(sorted(SURFACES))
-                    + ", GET /v1/models, GET /v1/models/{id}, GET /v1/capabilities and "
-                    "/upstream/<model>/<path>."
-                )
+            _require(scope["method"], surface.method, path)
+            body = await self._body(scope, receive)
+            exchange.capture = self.gateway.captures.open(exchange.id, scope, body)
+            work = surface.handler(self.pipeline, scope, receive, out, body)
+            await self._answer(work, surface.errors, out, scope, exchange.id)
         except ApiError as exc:
-            await (surface.errors if surface is not None else openai_error)(exc, send)
+            await surface.errors(exc, out)
+        except ClientGone:
+            return
+        finally:
+            CURRENT.reset(token)
+            if exchange.capture is not None:
+                self.gateway.captures.close(exchange)
+
+    async def _answer(
+        self,
+        work: Awaitable[None],
+        errors: ErrorWriter,
+        send: Send,
+        scope: Scope,
+        request_id: str | None = None,
+    ) -> None:
+        """Run `work`; an error becomes the surface's error answer, and an unexpected one a
+        500 naming the request id under which the log has its traceback."""
+        try:
+            await work
+        except ApiError as exc:
+            await errors(exc, send)
         except ClientGone:
             return
         except Exception:
-            request_id = next(self._ids)
-            log.exception("request=%s %s %s failed", request_id, method, path)
+            request_id = request_id or new_request_id()
+            log.exception("request=%s %s %s failed", request_id, scope["method"], scope["path"])
             error = internal(
                 f"corrallm hit an unexpected error (request {request_id}); "
                 "the gateway log has the details."
             )
-            await (surface.errors if surface is not None else openai_error)(error, send)
+            await errors(error, send)
+
+    async def _route(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """Everything but the pipeline's surfaces."""
+        path: str = scope["path"]
+        method: str = scope["method"]
+        if path == "/v1/capabilities":
+            _require(method, "GET", path)
+            await audio.send_capabilities(self.gateway, scope, send)
+        elif path == "/v1/reservations":
+            await self._with_body(reservations.handle, scope, receive, send)
+        elif path.startswith("/upstream/"):
+            await self._with_body(inference.upstream, scope, receive, send)
+        elif path in ("/health", "/healthz"):
+            await send_bytes(send, 200, _HEALTH)
+        elif path == "/metrics":
+            _require(method, "GET", path)
+            body = self.gateway.metrics.render()
+            await send_bytes(send, 200, body, content_type=METRICS_CONTENT_TYPE)
+        elif path == "/v1/models" or path.startswith("/v1/models/"):
+            _require(method, "GET", path)
+            await self.models.send(scope, send)
+        elif path == "/api" or path.startswith("/api/"):
+            await self._management_api(scope, receive, send)
+        elif is_dashboard_path(path):
+            await self.dashboard(scope, receive, send)
+        else:
+            raise not_found(
+                f"No endpoint {method} {path}. corrallm serves POST "
+                + ", ".join(sorted(SURFACES))
+                + ", GET /v1/models, GET /v1/models/{id}, GET /v1/capabilities and "
+                "/upstream/<model>/<path>."
+            )
 
     async def _management_api(self, scope: Scope, receive: Receive, send: Send) -> None:
         """P3: the whole /api subtree is behind the admin token, checked before routing."""
@@ -184,12 +218,15 @@ class CorrallmApp:
     async def _with_body(
         self, handler: Handler, scope: Scope, receive: Receive, send: Send
     ) -> None:
+        await handler(self.pipeline, scope, receive, send, await self._body(scope, receive))
+
+    async def _body(self, scope: Scope, receive: Receive) -> bytes:
         limit = self.gateway.config.max_body_size
         declared = header(scope, b"content-length")
         try:
             if declared is not None and int(declared) > limit:
                 raise BodyTooLarge
-            body = await read_body(receive, limit)
+            return await read_body(receive, limit)
         except BodyTooLarge:
             raise ApiError(
                 413,
@@ -197,7 +234,6 @@ class CorrallmApp:
                 "Send a smaller body or raise maxBodySize in the config.",
                 code="body_too_large",
             ) from None
-        await handler(self.pipeline, scope, receive, send, body)
 
     async def _lifespan(self, receive: Receive, send: Send) -> None:
         while True:
@@ -270,6 +306,25 @@ def _reload_on_sighup(gateway: Gateway) -> None:
         task.add_done_callback(tasks.discard)
 
     loop.add_signal_handler(signal.SIGHUP, spawn)
+
+
+def _answering(send: Send, exchange: Exchange) -> Send:
+    """`send` with `X-Corrallm-Request-Id` on the answer's head (SPEC §21 O1), feeding the
+    exchange's capture, if any, what goes out (O2)."""
+    rid = exchange.id.encode()
+
+    async def answering(message: Message) -> None:
+        capture = exchange.capture
+        if message["type"] == "http.response.start":
+            headers = [*message.get("headers", ()), (HEADER, rid)]
+            message = {**message, "headers": headers}
+            if capture is not None:
+                capture.start(message["status"], headers)
+        elif capture is not None:
+            capture.body(message.get("body", b""))
+        await send(message)
+
+    return answering
 
 
 def _require(method: str, expected: str, path: str) -> None:

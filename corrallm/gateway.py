@@ -35,6 +35,8 @@ from corrallm.lifecycle.recovery import recover
 from corrallm.lifecycle.supervisor import Supervisor
 from corrallm.lifecycle.transitions import Transitions
 from corrallm.metrics import Metrics
+from corrallm.observe.captures import Captures
+from corrallm.observe.live import LiveRequests
 from corrallm.residency.footprints import estimate_footprints
 from corrallm.residency.manager import Residency
 from corrallm.residency.measure import memory_reader
@@ -86,6 +88,8 @@ class Gateway:
         )
         self.admission = Admission(config, self.routes)
         self.pauses = Pauses(self.store, self.topology.pausables())
+        self.captures = Captures(config)
+        self.live = LiveRequests(self.events)
         self.telemetry = Telemetry(
             self.ledger,
             self.metrics,
@@ -142,6 +146,7 @@ class Gateway:
         self.ledger.reconfigure(config)
         self.admission.reconfigure(config, topology.routes)
         self.pauses.targets = topology.pausables()
+        self.captures.reconfigure(config)
         self._place(topology)
         return previous
 

@@ -1,17 +1,25 @@
-"""`/metrics` (SPEC §9 C6) in Prometheus format.
+"""`/metrics` (SPEC §9 C6, §21 O3) in Prometheus format.
 
-The request path only bumps plain dict counters (no locks, no label lookups); everything
-else is read from the gateway's own state when Prometheus scrapes, by a custom collector.
+The request path only bumps plain dict counters and bucket lists (no locks, no
+prometheus_client objects per label set); everything else is read from the gateway's own
+state when Prometheus scrapes, by a custom collector.
 """
 
 from __future__ import annotations
 
+import time
+from bisect import bisect_left
 from collections import Counter, defaultdict
 from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any, Protocol
 
 from prometheus_client import CollectorRegistry, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
 
 from corrallm.lifecycle.state import State
 
@@ -58,6 +66,7 @@ class Metrics:
         self.sleeps: Counter[str] = Counter()  # W1: real sleeps (asleep, not stopped)
         self.wakes: Counter[str] = Counter()
         self.wake_seconds: defaultdict[str, float] = defaultdict(float)
+        self.latency = Latency()
         self._registry = CollectorRegistry(auto_describe=False)
         self._registry.register(self)
 
@@ -75,6 +84,7 @@ class Metrics:
             self.preemptions[visit.group] += 1
         if visit.status == 429 and visit.error:
             self.rejections[(visit.group, visit.error.split(":", 1)[0])] += 1
+        self.latency.observe(visit, time.monotonic())
 
     def transition(self, sup: Supervisor, old: State, new: State) -> None:
         self.transitions[(sup.id, str(old), str(new))] += 1
@@ -153,6 +163,7 @@ class Metrics:
             ["backend"],
             self.wake_seconds,
         )
+        yield from self.latency.families()
         core = self.gateway.admission.core
         in_flight = GaugeMetricFamily(
             "corrallm_in_flight", "Requests in flight per backend", labels=["backend"]
@@ -191,6 +202,113 @@ class Metrics:
                 pools.add_metric([name, pool, "used"], used.get(pool, 0))
         yield pools
         yield _backend_memory(self.gateway.residency)
+
+
+# SPEC §21 O3: bucket bounds (seconds, or tokens a second), from a sub-millisecond queue
+# wait to a multi-minute request; a load from a quick wake to a half-hour model download.
+SECONDS_BUCKETS = (
+    0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
+    1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0,
+)  # fmt: skip
+LOAD_BUCKETS = (
+    0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0,
+    60.0, 120.0, 300.0, 600.0, 1200.0, 1800.0,
+)  # fmt: skip
+RATE_BUCKETS = (
+    1.0, 2.0, 5.0, 10.0, 20.0, 30.0, 50.0, 75.0, 100.0, 150.0,
+    200.0, 300.0, 500.0, 1000.0, 2000.0, 5000.0,
+)  # fmt: skip
+# A ready backend is "waited for" for microseconds: only a longer wait was a start or wake.
+LOAD_FLOOR_SECONDS = 0.005
+
+# (name, help, bounds), in the order of a series' rows below.
+HISTOGRAMS = (
+    ("corrallm_queue_seconds", "Seconds waiting for a slot", SECONDS_BUCKETS),
+    (
+        "corrallm_load_seconds",
+        "Seconds waiting for the backend to start or wake (requests that waited)",
+        LOAD_BUCKETS,
+    ),
+    (
+        "corrallm_ttft_seconds",
+        "Seconds from forwarding to the backend to the answer's first byte",
+        SECONDS_BUCKETS,
+    ),
+    ("corrallm_request_seconds", "Seconds for the whole request", SECONDS_BUCKETS),
+    (
+        "corrallm_tokens_per_second",
+        "Completion tokens per second of generation (requests with completion tokens)",
+        RATE_BUCKETS,
+    ),
+)
+_QUEUE, _LOAD, _TTFT, _REQUEST, _RATE = range(len(HISTOGRAMS))
+_LE = tuple(tuple(repr(float(b)) for b in bounds) for _, _, bounds in HISTOGRAMS)
+
+
+class Latency:
+    """SPEC §21 O3: latency histograms per (model, group). A series is one row per
+    histogram: a count per bucket (not cumulative), one for above the last bound, then
+    the sum (so `observe` is a dict lookup and a bisect per histogram, no locks). A
+    visit that never reached admission (unknown model, refused at a gate) is not
+    observed, so the model label only takes served names."""
+
+    def __init__(self) -> None:
+        self.series: dict[tuple[str, str], list[list[float]]] = {}
+
+    def observe(self, visit: Visit, now: float) -> None:
+        """The finished `visit`, whose end is `now` (monotonic)."""
+        admitted = visit.admitted_mono
+        if admitted is None and visit.queue_ms <= 0:
+            return
+        key = (visit.model, visit.group)
+        rows = self.series.get(key)
+        if rows is None:
+            rows = self.series[key] = [[0.0] * (len(b) + 2) for _, _, b in HISTOGRAMS]
+        _add(rows[_QUEUE], SECONDS_BUCKETS, visit.queue_ms / 1000)
+        load = visit.load_ms / 1000
+        if load >= LOAD_FLOOR_SECONDS:
+            _add(rows[_LOAD], LOAD_BUCKETS, load)
+        duration = now - visit.arrived_mono
+        _add(rows[_REQUEST], SECONDS_BUCKETS, duration)
+        ttfb = visit.ttfb_ms
+        if ttfb is not None:
+            _add(rows[_TTFT], SECONDS_BUCKETS, ttfb / 1000)
+        metered = visit.metered
+        if metered is not None and metered.completion_tokens > 0:
+            generating = duration
+            if admitted is not None:
+                forwarded = admitted + load  # when the backend was asked (ttfb counts from)
+                if visit.stream and ttfb is not None:
+                    generating = now - forwarded - ttfb / 1000  # after the first byte
+                else:  # one body: its first byte is its last, so count from forwarding
+                    generating = now - forwarded
+                if generating <= 0:
+                    generating = duration
+            if generating > 0:
+                _add(rows[_RATE], RATE_BUCKETS, metered.completion_tokens / generating)
+
+    def families(self) -> Iterator[HistogramMetricFamily]:
+        series = list(self.series.items())  # a copy: visits may add keys meanwhile
+        for i, (name, doc, _) in enumerate(HISTOGRAMS):
+            family = HistogramMetricFamily(name, doc, labels=["model", "group"])
+            bounds = _LE[i]
+            for key, rows in series:
+                row = rows[i]
+                cumulative, buckets = 0.0, []
+                for le, n in zip(bounds, row, strict=False):
+                    cumulative += n
+                    buckets.append((le, cumulative))
+                count = cumulative + row[-2]
+                if not count:
+                    continue  # e.g. no load waited for in this series yet
+                buckets.append(("+Inf", count))
+                family.add_metric(list(key), buckets, row[-1])
+            yield family
+
+
+def _add(row: list[float], bounds: tuple[float, ...], value: float) -> None:
+    row[bisect_left(bounds, value)] += 1  # Prometheus buckets are `le`: value <= bound
+    row[-1] += value
 
 
 def _backend_memory(residency: Residency) -> GaugeMetricFamily:

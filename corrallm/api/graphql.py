@@ -113,6 +113,8 @@ Residency = _gql(schemas.Residency)
 Lanes = _gql(schemas.Lanes)
 Reservations = _gql(schemas.Reservations)
 Economics = _gql(schemas.Economics)
+LiveRequests = _gql(schemas.LiveRequests)
+CancelResult = _gql(schemas.CancelResult)
 ReloadResult = _gql(schemas.ReloadResult)
 Logs = _gql(schemas.Logs)
 ActionResult = _gql(schemas.ActionResult)
@@ -123,6 +125,9 @@ UsageSeries = _gql(schemas.UsageSeries)
 UsageGroupSeries = _gql(schemas.UsageGroupSeries)
 QueueDepth = _gql(schemas.QueueDepth)
 ActivityList = _gql(schemas.ActivityList)
+# captures (SPEC §21 O2)
+CaptureList = _gql(schemas.CaptureList)
+CaptureRecord = _gql(schemas.CaptureRecord)
 
 
 # -- resolvers: typed functions; the fields below give each its GraphQL type -------------
@@ -146,6 +151,14 @@ def _reservations(info: Info) -> Any:
 
 def _economics(info: Info) -> Any:
     return _sync(schemas.Economics, service.economics, _gw(info))
+
+
+def _live_requests(info: Info) -> Any:
+    return _sync(schemas.LiveRequests, service.live_requests, _gw(info))
+
+
+def _cancel_request(info: Info, id: str) -> Any:
+    return _sync(schemas.CancelResult, service.cancel_request, _gw(info), id)
 
 
 def _model_logs(info: Info, model: str, lines: int = 100) -> Any:
@@ -192,6 +205,20 @@ async def _activity(
 ) -> Any:
     call = usage.activity(_gw(info), limit, key, model, group, since, until)
     return await _call(schemas.ActivityList, call)
+
+
+# captures (SPEC §21 O2)
+
+
+def _captures(
+    info: Info, limit: int = 100, model: str | None = None, status: str | None = None
+) -> Any:
+    limit = max(1, min(limit, service.MAX_CAPTURES))
+    return _sync(schemas.CaptureList, service.captures, _gw(info), limit, model, status)
+
+
+def _capture(info: Info, request_id: str) -> Any:
+    return _sync(schemas.CaptureRecord, service.capture, _gw(info), request_id)
 
 
 async def _reload_config(info: Info) -> Any:
@@ -248,6 +275,9 @@ class Query:
     economics = strawberry.field(
         resolver=_economics, graphql_type=Economics, description="GET /api/v1/economics"
     )
+    requests = strawberry.field(
+        resolver=_live_requests, graphql_type=LiveRequests, description="GET /api/v1/requests"
+    )
     model_logs = strawberry.field(
         resolver=_model_logs, graphql_type=Logs, description="GET /api/v1/models/logs"
     )
@@ -271,10 +301,24 @@ class Query:
     activity = strawberry.field(
         resolver=_activity, graphql_type=ActivityList, description="GET /api/v1/activity"
     )
+    # captures (SPEC §21 O2)
+    captures = strawberry.field(
+        resolver=_captures, graphql_type=CaptureList, description="GET /api/v1/captures"
+    )
+    capture = strawberry.field(
+        resolver=_capture,
+        graphql_type=CaptureRecord,
+        description="GET /api/v1/captures/{request_id}",
+    )
 
 
 @strawberry.type
 class Mutation:
+    cancel_request = strawberry.mutation(
+        resolver=_cancel_request,
+        graphql_type=CancelResult,
+        description="POST /api/v1/requests/{id}/cancel",
+    )
     reload_config = strawberry.mutation(
         resolver=_reload_config, graphql_type=ReloadResult, description="POST /api/v1/config/reload"
     )

@@ -136,6 +136,14 @@ def build_rest(gw: Gateway) -> FastAPI:
         from install on, across reloads and restarts."""
         return service.economics(gw)
 
+    @app.get(f"{PREFIX}/requests", response_model=schemas.LiveRequests)
+    async def live_requests() -> dict[str, Any]:
+        return service.live_requests(gw)
+
+    @app.post(f"{PREFIX}/requests/{{request_id}}/cancel", response_model=schemas.CancelResult)
+    async def cancel_request(request_id: str) -> dict[str, Any]:
+        return service.cancel_request(gw, request_id)
+
     @app.get(f"{PREFIX}/reservations", response_model=schemas.Reservations)
     async def reservations() -> dict[str, Any]:
         return service.reservations(gw)
@@ -149,7 +157,7 @@ def build_rest(gw: Gateway) -> FastAPI:
         kinds: str | None = Query(
             None,
             description="comma-separated kinds to receive (lifecycle, admission, queue_depth, "
-            "usage, log, reservation); all when absent",
+            "usage, log, reservation, request); all when absent",
         ),
     ) -> StreamingResponse:
         """Live events as Server-Sent Events, with a heartbeat comment every 15 s."""
@@ -251,5 +259,23 @@ def build_rest(gw: Gateway) -> FastAPI:
     ) -> dict[str, Any]:
         """The newest rows first: one per request and per backend load."""
         return await usage.activity(gw, limit, key, model, group, since, until)
+
+    # -- captures (SPEC §21 O2) ----------------------------------------------------------
+
+    @app.get(f"{PREFIX}/captures", response_model=schemas.CaptureList)
+    async def captures(
+        limit: int = Query(100, ge=1, le=service.MAX_CAPTURES),
+        model: str | None = None,
+        status: str | None = Query(None, description="a status (502) or a class (5xx)"),
+    ) -> dict[str, Any]:
+        """Kept request/response captures, newest first, without bodies; `used_bytes` of
+        `bound_bytes` (capture.bufferMB) held."""
+        return service.captures(gw, limit, model, status)
+
+    @app.get(f"{PREFIX}/captures/{{request_id}}", response_model=schemas.CaptureRecord)
+    async def capture(request_id: str) -> dict[str, Any]:
+        """One capture: bodies (each cut at 64 KB), headers, status; secrets redacted.
+        404 when it was evicted or never kept."""
+        return service.capture(gw, request_id)
 
     return app

@@ -264,7 +264,14 @@ class ActivityRow(BaseModel):
     degraded: bool
     spilled: bool
     preempted: bool
-    error: str | None
+    error: str | None = Field(
+        description="what went wrong, `code: message` (e.g. `cancelled: …` for a request an "
+        "operator cancelled)"
+    )
+    request_id: str | None = Field(
+        None,
+        description="the request's X-Corrallm-Request-Id (SPEC §21 O1); null for load rows",
+    )
 
 
 class ActivityList(Ranged):
@@ -284,6 +291,34 @@ class Reservations(BaseModel):
 
 
 # -- the economics ledger (SPEC §14, §11 D1) ----------------------------------------------
+
+
+class LiveRequestView(BaseModel):
+    id: str = Field(description="X-Corrallm-Request-Id of the request")
+    key: str | None = Field(description="the caller's configured key name, or null")
+    group: str
+    model: str
+    backend: str | None = Field(description="the backend it was admitted to; null while queued")
+    endpoint: str
+    state: str = Field(
+        description="queued (for a slot) | loading (its backend starting or waking) | running"
+    )
+    age_ms: float = Field(description="since it arrived")
+    stream: bool
+    completion_tokens: int = Field(
+        description="tokens so far, counted from the relayed stream's events (0 until a "
+        "non-streamed answer is whole)"
+    )
+
+
+class LiveRequests(BaseModel):
+    requests: list[LiveRequestView]
+
+
+class CancelResult(BaseModel):
+    id: str
+    state: str = Field(description="where it was when the cancel was asked")
+    cancelled: bool
 
 
 class EconomicsRow(BaseModel):
@@ -353,3 +388,53 @@ class ReloadResult(BaseModel):
     restarted: list[str] = Field(description="changed: drained, stopped, started on demand")
     removed: list[str] = Field(description="drained and stopped")
     added: list[str] = Field(description="available at once")
+
+
+# -- captures (SPEC §21 O2) -------------------------------------------------------------
+
+
+class CaptureSides(BaseModel):
+    request: bool
+    response: bool
+
+
+class CaptureRow(BaseModel):
+    request_id: str = Field(description="the request's X-Corrallm-Request-Id")
+    t: str = Field(description="when the request arrived, RFC 3339")
+    model: str | None = Field(description="as the request named it; null if it named none")
+    backend: str | None = Field(description="the backend it was admitted to, or null")
+    key: str | None = Field(description="the caller's key as the activity shows it, or null")
+    group: str | None
+    endpoint: str
+    status: int = Field(description="the outcome: a stream broken after its 200 head is 502")
+    error: str | None = Field(description="what went wrong, `code: message`")
+    truncated: CaptureSides = Field(description="which bodies were cut at 64 KB")
+    request_bytes: int = Field(description="the whole request body's size, as received")
+    response_bytes: int = Field(description="the whole response body's size, as sent")
+
+
+class CaptureList(BaseModel):
+    captures: list[CaptureRow] = Field(description="newest first; no bodies")
+    bodies: str = Field(description="capture.bodies in force: errors | all | none")
+    used_bytes: int = Field(description="bytes the kept captures hold")
+    bound_bytes: int = Field(description="capture.bufferMB in bytes: used_bytes never passes it")
+
+
+class CaptureHeaders(BaseModel):
+    request: dict[str, str]
+    response: dict[str, str]
+
+
+class CaptureEncodings(BaseModel):
+    request: str = Field(description="utf-8 (text as sent) | base64 (a body that is not UTF-8)")
+    response: str
+
+
+class CaptureRecord(CaptureRow):
+    request: str = Field(description="the request body (first 64 KB), secrets redacted")
+    response: str = Field(
+        description="the response body (first 64 KB; a stream's events as relayed), secrets "
+        "redacted"
+    )
+    encoding: CaptureEncodings
+    headers: CaptureHeaders = Field(description="as text; credentials shown as [redacted]")

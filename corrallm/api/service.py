@@ -19,6 +19,7 @@ from corrallm.gateway import Gateway
 from corrallm.lifecycle.errors import LifecycleBusy, LifecycleError
 from corrallm.lifecycle.pauses import Kind
 from corrallm.lifecycle.supervisor import Supervisor
+from corrallm.observe.ring import Record
 from corrallm.proxy.errors import ApiError, lifecycle_failure
 from corrallm.proxy.reservations import live_leases
 from corrallm.routing.router import ServedModel
@@ -316,6 +317,28 @@ def lanes(gw: Gateway) -> dict[str, Any]:
     return {"lanes": rows}
 
 
+# -- live requests (SPEC §21 O1) ------------------------------------------------------
+
+
+def live_requests(gw: Gateway) -> dict[str, Any]:
+    """Every request corrallm holds now, oldest first."""
+    return {"requests": gw.live.views()}
+
+
+def cancel_request(gw: Gateway, request_id: str) -> dict[str, Any]:
+    """End one held request: a queued or loading one gets 503 `cancelled`, a running one
+    is cancelled upstream (a stream ends with an error event and [DONE])."""
+    live = gw.live.cancel(request_id)
+    if live is None:
+        raise ApiError(
+            404,
+            f"No request {request_id} is held now: it may have finished already. "
+            "GET /api/v1/requests lists the requests held now.",
+            "request_not_found",
+        )
+    return {"id": live.id, "state": live.state, "cancelled": True}
+
+
 def economics(gw: Gateway) -> dict[str, Any]:
     """SPEC §14, §11 D1: the economics ledger, one row per backend of the config in force."""
     ledger = gw.economics.view()
@@ -361,4 +384,84 @@ def _refused(exc: ConfigError) -> ApiError:
         + ". "
         + fix,
         "invalid_config",
+    )
+
+
+# -- captures (SPEC §21 O2) -------------------------------------------------------------
+
+MAX_CAPTURES = 10_000
+
+
+def captures(
+    gw: Gateway, limit: int = 100, model: str | None = None, status: str | None = None
+) -> dict[str, Any]:
+    """The kept captures, newest first, without their bodies; and the ring's fill."""
+    statuses = _statuses(status)
+    rows = []
+    for kept in gw.captures.newest(model or None, statuses):
+        rows.append(_capture_row(kept))
+        if len(rows) >= limit:
+            break
+    ring = gw.captures.ring
+    return {
+        "captures": rows,
+        "bodies": gw.captures.bodies,
+        "used_bytes": ring.used,
+        "bound_bytes": ring.bound,
+    }
+
+
+def capture(gw: Gateway, request_id: str) -> dict[str, Any]:
+    """One kept capture, bodies and headers included."""
+    kept = gw.captures.get(request_id)
+    if kept is None:
+        raise ApiError(
+            404,
+            f"No capture of request {request_id!r}: it may have been evicted from the ring "
+            f"buffer (capture.bufferMB) or never kept (capture.bodies is "
+            f"{gw.captures.bodies!r}; `errors` keeps only failed requests). GET "
+            "/api/v1/captures lists the kept ones.",
+            "capture_not_found",
+            param="request_id",
+        )
+    return {
+        **_capture_row(kept),
+        "request": kept.request,
+        "response": kept.response,
+        "encoding": {"request": kept.request_encoding, "response": kept.response_encoding},
+        "headers": {"request": kept.request_headers, "response": kept.response_headers},
+    }
+
+
+def _capture_row(kept: Record) -> dict[str, Any]:
+    return {
+        "request_id": kept.request_id,
+        "t": rfc3339(kept.t),
+        "model": kept.model,
+        "backend": kept.backend,
+        "key": kept.key,
+        "group": kept.group,
+        "endpoint": kept.endpoint,
+        "status": kept.status,
+        "error": kept.error,
+        "truncated": {"request": kept.request_truncated, "response": kept.response_truncated},
+        "request_bytes": kept.request_bytes,
+        "response_bytes": kept.response_bytes,
+    }
+
+
+def _statuses(status: str | None) -> range | None:
+    """`status=`: a code (`502`) or a class (`5xx`); None or blank: any."""
+    text = (status or "").strip().lower()
+    if not text:
+        return None
+    if len(text) == 3 and text[0] in "12345" and (text[1:].isdigit() or text[1:] == "xx"):
+        if text[1:] == "xx":
+            return range(int(text[0]) * 100, int(text[0]) * 100 + 100)
+        return range(int(text), int(text) + 1)
+    raise ApiError(
+        400,
+        f"'status' must be an HTTP status (502) or a class of them (5xx, 4xx); got {status!r}.",
+        "invalid_status",
+        param="status",
     )

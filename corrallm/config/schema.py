@@ -500,6 +500,17 @@ class Ledger(Section):
     gpu_hour_price: float | None = Field(None, ge=0)
 
 
+class Capture(Section):
+    """Request and response bodies kept in memory for inspection (SPEC §21 O2)."""
+
+    buffer_mb: float = Field(
+        16.0, gt=0, alias="bufferMB", description="the ring buffer's bound, in MB (10^6 bytes)"
+    )
+    bodies: Literal["errors", "all", "none"] = Field(
+        "errors", description="which exchanges to keep: failed ones only, all, or none"
+    )
+
+
 class Config(Section):
     cost_per_kwh: float = Field(0.0, ge=0)
     command_costs: dict[str, CommandCost] = Field(default_factory=dict)
@@ -513,6 +524,7 @@ class Config(Section):
     ledger: Ledger = Field(default_factory=Ledger)
     timeouts: Timeouts = Field(default_factory=Timeouts)
     feedback: Feedback = Field(default_factory=Feedback)
+    capture: Capture = Field(default_factory=Capture)
     max_body_size: Size = 64 * 10**6
 
     def upstream_idle(self, backend: Backend) -> float:

@@ -41,6 +41,10 @@ class Visit:
     error: str | None = None
     reserved_usd: float = 0.0
     price: Price | None = None
+    request_id: str | None = None  # X-Corrallm-Request-Id (SPEC §21 O1)
+    queue_ms: float = 0.0  # waiting for a slot
+    load_ms: float = 0.0  # waiting for its backend to start or wake
+    stream: bool = False  # the client asked for a stream
 
 
 class Ledger:
@@ -128,6 +132,7 @@ class Ledger:
                 spilled=visit.spilled,
                 preempted=visit.preempted,
                 error=visit.error[:ERROR_SUMMARY_CHARS] if visit.error else None,
+                request_id=visit.request_id,
             )
         )
         return price

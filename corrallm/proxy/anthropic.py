@@ -49,12 +49,6 @@ from corrallm.routing.router import Route
 
 NATIVE = "anthropic"
 _SSE_HEADERS = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")]
-_PREEMPTED = ApiError(
-    503,
-    "Preempted: a higher-priority request took this slot. Retry to continue; the partial "
-    "answer above is complete up to here.",
-    "preempted",
-)
 
 
 async def write_error(error: ApiError, send: Send) -> None:
@@ -93,7 +87,16 @@ async def serve(
         body = orjson.dumps(payload)
     stops: list[str] = payload.get("stop_sequences") or []
     session = session_key(scope["headers"], chat)
-    inbound = Inbound(model, scope["path"], caller_key(scope), len(body), None, limit, session)
+    inbound = Inbound(
+        model,
+        scope["path"],
+        caller_key(scope),
+        len(body),
+        None,
+        limit,
+        session,
+        stream=payload.get("stream") is True,
+    )
     # K4: a streamed request that waits is told why, on a stream opened early.
     feedback = SSEFeedback(send, error_event) if payload.get("stream") is True else None
     out = send if feedback is None else feedback.send
@@ -111,6 +114,7 @@ async def serve(
             data = upstream_body(b"", chat, route, force=True)
             meter = Meter()
             stream = EventStream(model, stops)
+        admitted.live.meter = meter
         try:
             return await _exchange(
                 pipeline, admitted, out, url, data, _headers(scope, route), meter, watch, stream
@@ -121,12 +125,12 @@ async def serve(
             visit.metered = meter.metered(len(body))
             visit.ttfb_ms = meter.ttfb_ms()
 
-    async def preempted(admitted: Admitted) -> None:
-        # S4: the stream so far ends at an event boundary; say why it stops.
-        await send({"type": "http.response.body", "body": error_event(_PREEMPTED)})
+    async def interrupted(admitted: Admitted, error: ApiError) -> None:
+        # S4, O1: the stream so far ends at an event boundary; say why it stops.
+        await send({"type": "http.response.body", "body": error_event(error)})
 
     watch = DisconnectWatch(receive)
-    await pipeline.run_http(inbound, work, watch, preempted, feedback)
+    await pipeline.run_http(inbound, work, watch, interrupted, feedback)
 
 
 def _response_headers(admitted: Admitted) -> list[tuple[bytes, bytes]]:

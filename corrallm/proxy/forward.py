@@ -108,23 +108,6 @@ class DisconnectWatch:
         return self.client_gone and task is not None and task.uncancel() == 0
 
 
-PREEMPTED_EVENT = (
-    b"data: "
-    + orjson.dumps(
-        {
-            "error": {
-                "message": "Preempted: a higher-priority request took this slot. "
-                "Retry to continue; the partial answer above is complete up to here.",
-                "type": "preempted",
-                "param": None,
-                "code": "preempted",
-            }
-        }
-    )
-    + b"\n\ndata: [DONE]\n\n"
-)
-
-
 async def forward(
     client: Client,
     scope: Scope,
@@ -258,7 +241,7 @@ async def _relay_events(
             error = upstream_failure(meter, backend_id, exc)
             status = error.status
             await send(
-                {"type": "http.response.body", "body": _stream_error(error), "more_body": True}
+                {"type": "http.response.body", "body": stream_error(error), "more_body": True}
             )
     else:
         if pending:  # the last event, not closed by a blank line before the end
@@ -319,6 +302,6 @@ def upstream_failure(meter: Meter | None, backend_id: str, exc: BaseException) -
     return error
 
 
-def _stream_error(error: ApiError) -> bytes:
+def stream_error(error: ApiError) -> bytes:
     """End a broken stream the way clients understand: one error event, then [DONE]."""
     return b"data: " + orjson.dumps(error.body()) + b"\n\ndata: [DONE]\n\n"

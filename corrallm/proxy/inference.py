@@ -19,7 +19,7 @@ from corrallm.lifecycle.addresses import origin, upstream_url
 from corrallm.proxy.asgi import Receive, Scope, Send
 from corrallm.proxy.errors import ApiError, bad_request, not_found
 from corrallm.proxy.feedback import SSEFeedback
-from corrallm.proxy.forward import PREEMPTED_EVENT, DisconnectWatch, forward, request_headers
+from corrallm.proxy.forward import DisconnectWatch, forward, request_headers, stream_error
 from corrallm.proxy.metering import Meter, ask_for_usage
 from corrallm.proxy.pipeline import SURFACE_MODE, Admitted, Inbound, Pipeline, caller_key, ready
 from corrallm.routing.affinity import session_key
@@ -143,6 +143,7 @@ async def serve_parsed(
         SURFACE_MODE.get(path),
         limit,
         session=session_key(scope["headers"], payload),
+        stream=payload.get("stream") is True,
     )
     strip_usage = ask_for_usage(path, payload)
     # K4: a streamed request that waits is told why, on a stream opened early.
@@ -159,7 +160,7 @@ async def serve_parsed(
             data = body  # no model rename or token clamp inside a multipart upload
         else:
             data = upstream_body(body, payload, route, force=strip_usage)
-        meter = Meter(strip_usage)
+        meter = admitted.live.meter = Meter(strip_usage)
         try:
             return await forward(
                 pipeline.upstream,
@@ -181,12 +182,12 @@ async def serve_parsed(
             visit.metered = meter.metered(len(body))
             visit.ttfb_ms = meter.ttfb_ms()
 
-    async def preempted(admitted: Admitted) -> None:
-        # S4: the stream so far is complete up to an event boundary; say why it ends.
-        await send({"type": "http.response.body", "body": PREEMPTED_EVENT})
+    async def interrupted(admitted: Admitted, error: ApiError) -> None:
+        # S4, O1: the stream so far is complete up to an event boundary; say why it ends.
+        await send({"type": "http.response.body", "body": stream_error(error)})
 
     watch = DisconnectWatch(receive)
-    await pipeline.run_http(inbound, work, watch, preempted, feedback)
+    await pipeline.run_http(inbound, work, watch, interrupted, feedback)
 
 
 async def upstream(

@@ -12,7 +12,9 @@ and the lifecycle table, not copies of them.
 
 What the pipeline owns beyond the gates: re-routing a request whose backend a config
 reload took away while it waited (P6), putting a preempted request that sent nothing
-back in its queue (S4), and the client's disconnect while it waits (S7).
+back in its queue (S4), the client's disconnect while it waits (S7), and the live-request
+registry (SPEC §21 O1): each request is named (`X-Corrallm-Request-Id`), listed while it
+is held, and may be cancelled by an operator wherever it is.
 """
 
 from __future__ import annotations
@@ -29,6 +31,8 @@ from corrallm.cost.ledger import Visit
 from corrallm.gateway import Caller, Gateway
 from corrallm.lifecycle.errors import BackendPaused, LifecycleError
 from corrallm.lifecycle.supervisor import Cause
+from corrallm.observe.context import CURRENT, new_request_id
+from corrallm.observe.live import LiveRequest
 from corrallm.proxy.asgi import Scope, header
 from corrallm.proxy.client import Client
 from corrallm.proxy.errors import RETIRED, ApiError, lifecycle_failure, not_found, unavailable
@@ -56,6 +60,7 @@ class Inbound:
     mode: str | None = None  # the STT surface it came in on, gated by the model's modes (U3)
     limit: int | None = None  # the completion tokens it asks for, for the spend estimate
     session: str | None = None  # the conversation it belongs to, for affinity (K6)
+    stream: bool = False  # the client asked for a streamed answer
 
 
 @dataclass(slots=True)
@@ -67,6 +72,7 @@ class Admitted:
     ticket: Ticket
     visit: Visit
     waited: Waited
+    live: LiveRequest  # the surface sets `live.meter` so tokens so far can be listed (O1)
 
     @property
     def route(self) -> Route:
@@ -78,8 +84,9 @@ T = TypeVar("T")
 # The surface's part: talk to the admitted backend, fill in `visit.metered`/`ttfb_ms`, and
 # return the status to record.
 Work = Callable[[Admitted], Awaitable[int]]
-# Ends an answer already under way when a preemption takes its slot (S4).
-Preempted = Callable[[Admitted], Awaitable[None]]
+# Ends an answer already under way, at an event boundary, with this error: a preemption
+# took its slot (S4), or an operator cancelled it (O1).
+Interrupted = Callable[[Admitted, ApiError], Awaitable[None]]
 
 
 class Pipeline:
@@ -147,7 +154,7 @@ class Pipeline:
         inbound: Inbound,
         work: Work,
         watch: DisconnectWatch | None = None,
-        preempted: Preempted | None = None,
+        interrupted: Interrupted | None = None,
         waiting: Waiting | None = None,
     ) -> None:
         """Admit `inbound`, have `work` done on a ready backend, and account for it.
@@ -165,7 +172,14 @@ class Pipeline:
             inbound.endpoint,
             inbound.size,
         )
-        flight = _Flight(caller, visit, inbound, work, watch, preempted)
+        exchange = CURRENT.get()
+        if exchange is not None:
+            visit.request_id, exchange.visit = exchange.id, visit
+        else:
+            visit.request_id = new_request_id()
+        visit.stream = inbound.stream
+        live = gw.live.enter(visit)
+        flight = _Flight(caller, visit, inbound, work, watch, interrupted, live)
         if waiting is not None:
             own = caller.group.feedback if caller.group else None
             settings = gw.config.feedback.merged(own)
@@ -184,6 +198,8 @@ class Pipeline:
             visit.status, visit.error = 499, "the client went away"
             raise
         finally:
+            visit.queue_ms, visit.load_ms = flight.waited.queue_ms, flight.waited.load_ms
+            gw.live.leave(live)
             gw.settle(visit)
 
     async def run_http(
@@ -191,14 +207,14 @@ class Pipeline:
         inbound: Inbound,
         work: Work,
         watch: DisconnectWatch,
-        preempted: Preempted | None = None,
+        interrupted: Interrupted | None = None,
         feedback: SSEFeedback | None = None,
     ) -> None:
         """`run()` for an HTTP surface: once done, the client's disconnect is no longer
         watched; and a wait that fails after `feedback` opened the stream ends that stream
         with the surface's error event (a second response cannot be sent)."""
         try:
-            await self.run(inbound, work, watch, preempted, feedback)
+            await self.run(inbound, work, watch, interrupted, feedback)
         except ApiError as exc:
             if feedback is None or not feedback.opened:
                 raise
@@ -245,11 +261,13 @@ class Pipeline:
                 visit.degraded = served.degraded(ticket.route)
                 visit.spilled = ticket.route not in tiers[0]
                 ticket.started = ticket.shielded = False
-                admitted = Admitted(served, caller, ticket, visit, flight.waited)
+                admitted = Admitted(served, caller, ticket, visit, flight.waited, flight.live)
                 try:
+                    flight.live.state = "loading"
                     await flight.loading(
                         enter_ready(ticket.route, cause), load_note(ticket.route, gw.config)
                     )
+                    flight.live.state = "running"
                     try:
                         visit.status = await flight.work(admitted)
                     finally:
@@ -260,15 +278,18 @@ class Pipeline:
                         continue  # nothing was sent: route it again (above)
                     raise
                 except asyncio.CancelledError:
+                    if flight.live.cancelled and not flight.client_gone() and _uncancel():
+                        return await flight.cancelled(admitted)
                     if not (ticket.preempted and _uncancel()):
                         raise
                 visit.preempted = True
                 if ticket.started:  # S4: the surface ends what it began, cleanly
-                    if flight.preempted is not None:
-                        await flight.preempted(admitted)
+                    if flight.interrupted is not None:
+                        await flight.interrupted(admitted, PREEMPTED)
                     return
                 # Only a delay for its client.
                 note = QueueNote(admission.core, ticket.route.id, ticket.id)
+                flight.live.state = "queued"
                 ticket = await flight.queued(admission.requeue(ticket, caller.group), note)
         except Rejected as exc:
             raise too_many_requests(exc) from None
@@ -276,6 +297,8 @@ class Pipeline:
             if flight.watch is not None and flight.watch.absorb():
                 visit.status, visit.error = 499, "the client went away"
                 return  # the client left: its slot is free and its upstream request dropped
+            if flight.live.cancelled and _uncancel():
+                raise cancelled(flight.live) from None  # queued or loading: nothing sent
             raise
         finally:
             if ticket is not None:
@@ -294,9 +317,24 @@ class _Flight:
     inbound: Inbound
     work: Work
     watch: DisconnectWatch | None
-    preempted: Preempted | None
+    interrupted: Interrupted | None
+    live: LiveRequest
     narrator: Narrator | None = None
     waited: Waited = field(default_factory=Waited)
+
+    def client_gone(self) -> bool:
+        return self.watch is not None and self.watch.client_gone
+
+    async def cancelled(self, admitted: Admitted) -> None:
+        """O1: an operator cancelled it while it talked to its backend (whose request is
+        dropped with the task's cancel). A stream under way ends with the surface's error
+        event; an answer not begun is a 503 `cancelled`."""
+        error = cancelled(self.live)
+        if not admitted.ticket.started:
+            raise error
+        self.visit.status, self.visit.error = error.status, f"{error.code}: {error.message}"
+        if self.interrupted is not None:
+            await self.interrupted(admitted, error)
 
     async def queued(self, admit: Awaitable[Ticket], note: Callable[[], str]) -> Ticket:
         began = time.monotonic()
@@ -377,6 +415,25 @@ async def enter_ready(route: Route, cause: Cause | None = None) -> None:
         await ready(route, cause)
         if route.endpoint.enter():
             return
+
+
+# S4: why a stream under way ends when a higher-priority request takes its slot.
+PREEMPTED = ApiError(
+    503,
+    "Preempted: a higher-priority request took this slot. Retry to continue; the partial "
+    "answer above is complete up to here.",
+    "preempted",
+    type="preempted",
+)
+
+
+def cancelled(live: LiveRequest) -> ApiError:
+    """O1: an operator ended it (POST /api/v1/requests/{id}/cancel)."""
+    return unavailable(
+        f"Request {live.id} was cancelled by an operator "
+        "(POST /api/v1/requests/{id}/cancel); the answer so far, if any, ends here.",
+        code="cancelled",
+    )
 
 
 def model_paused(model: str) -> ApiError:

@@ -48,10 +48,6 @@ CHAT_PATH = "/v1/chat/completions"
 MAX_ANSWER = 16 * 1024 * 1024  # a Chat answer read whole to translate it
 _SSE_HEADERS = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")]
 _ENDS = (b'"response.completed"', b'"response.incomplete"', b'"response.failed"')
-PREEMPTED = (
-    "Preempted: a higher-priority request took this slot. Retry to continue; the partial "
-    "answer above is complete up to here."
-)
 
 
 def native(route: Route) -> bool:
@@ -81,11 +77,11 @@ async def serve(
     echo = Echo.of(payload)
     path: str = scope["path"]
     session = session_key(scope["headers"], chat or payload)
-    inbound = Inbound(model, path, caller_key(scope), len(body), None, limit, session)
+    inbound = Inbound(model, path, caller_key(scope), len(body), None, limit, session, stream)
     # K4: a streamed request that waits is told why, on a stream opened early.
     feedback = SSEFeedback(send, error_event) if stream else None
     out = send if feedback is None else feedback.send
-    under_way: list[_Relay] = []  # the stream begun, for `preempted`
+    under_way: list[_Relay] = []  # the stream begun, for `interrupted`
 
     async def work(admitted: Admitted) -> int:
         route, visit = admitted.route, admitted.visit
@@ -95,7 +91,7 @@ async def serve(
             extra.append((b"x-corrallm-degraded", b"true"))
         headers = request_headers(scope["headers"], route.config.headers)
         idle = pipeline.gw.config.upstream_idle(route.config)
-        meter = Meter()
+        meter = admitted.live.meter = Meter()
         try:
             if native(route):
                 data = native_body(body, dict(payload), route)
@@ -136,13 +132,13 @@ async def serve(
             visit.metered = meter.metered(len(body))
             visit.ttfb_ms = meter.ttfb_ms()
 
-    async def preempted(admitted: Admitted) -> None:
-        # S4: the events so far are whole; say why the stream ends, in the Responses shape.
+    async def interrupted(admitted: Admitted, error: ApiError) -> None:
+        # S4, O1: the events so far are whole; say why the stream ends, in the Responses shape.
         if under_way:
-            await under_way[0].end("preempted", PREEMPTED)
+            await under_way[0].end(error.code or "error", error.message)
 
     watch = DisconnectWatch(receive)
-    await pipeline.run_http(inbound, work, watch, preempted, feedback)
+    await pipeline.run_http(inbound, work, watch, interrupted, feedback)
 
 
 def native_body(body: bytes, payload: dict[str, Any], route: Route) -> bytes:
@@ -322,7 +318,7 @@ class _Relay:
         return encode([{**error, "message": message, "param": None}])
 
     async def end(self, code: str, message: str) -> None:
-        """End a stream under way (S4: preempted) at an event boundary."""
+        """End a stream under way (S4: preempted; O1: cancelled) at an event boundary."""
         self.watch.finishing = True
         await self._body(self._failure(code, message), more=False)
 

@@ -45,6 +45,7 @@ class Activity:
     spilled: bool = False
     preempted: bool = False
     error: str | None = None
+    request_id: str | None = None  # X-Corrallm-Request-Id of a request row (SPEC §21 O1)
 
 
 COLUMNS = tuple(f.name for f in fields(Activity))

@@ -209,6 +209,12 @@ MIGRATIONS: Sequence[Sequence[str]] = (
         ) WITHOUT ROWID
         """,
     ),
+    # 7: each request row names its request (SPEC §21 O1: X-Corrallm-Request-Id), so the
+    # dashboard links a row to its capture; NULL for load rows and rows written before.
+    (
+        "ALTER TABLE activity ADD COLUMN request_id TEXT",
+        "CREATE INDEX activity_request_id ON activity (request_id)",
+    ),
 )
 
 

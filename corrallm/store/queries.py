@@ -26,7 +26,7 @@ SUM_FIELDS = ("requests", "prompt_tokens", "completion_tokens", "bytes", "energy
 ACTIVITY_FIELDS = (
     "id, t, kind, key, grp, model, backend, endpoint, status, dwell_ms, duration_ms, ttfb_ms, "
     "prompt_tokens, completion_tokens, bytes, energy_wh, cost_usd, estimated, degraded, "
-    "spilled, preempted, error"
+    "spilled, preempted, error, request_id"
 )
 FLAGS = ("estimated", "degraded", "spilled", "preempted")
 

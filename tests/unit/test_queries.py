@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 from corrallm.api.usage import parse_bucket, parse_time, time_range
 from corrallm.proxy.errors import ApiError
 from corrallm.store import activity, queries
-from corrallm.store.activity import INSERT, Activity, ActivityLog
+from corrallm.store.activity import COLUMNS, INSERT, Activity, ActivityLog
 from corrallm.store.db import MIGRATIONS, Store, StoreUnavailable
 
 H = 3600
@@ -235,7 +235,15 @@ async def test_C3_activity_newest_first_with_filters_limit_and_range(store):
     await write(
         store,
         req(T0 + 1, key="a", model="m1", grp="g1"),
-        req(T0 + 2, key="b", model="m2", grp="g1", spilled=True, error="upstream 502"),
+        req(
+            T0 + 2,
+            key="b",
+            model="m2",
+            grp="g1",
+            spilled=True,
+            error="upstream 502",
+            request_id="0a1b2c3d00000002",
+        ),
         req(T0 + 2, key="a", model="m2", grp="g2", preempted=True),  # same t: higher id first
         load(T0 + 3, key="a", model="m1", grp="g1", estimated=True),
     )
@@ -273,6 +281,7 @@ async def test_C3_activity_newest_first_with_filters_limit_and_range(store):
         "spilled": True,
         "preempted": False,
         "error": "upstream 502",
+        "request_id": "0a1b2c3d00000002",
     }
     assert everything[0]["estimated"] is True and everything[1]["preempted"] is True
 
@@ -316,7 +325,10 @@ async def test_C4_migration_3_rolls_up_rows_written_before_it(tmp_path):
             cost_usd=0.25),
         load(T0 + 9, "k", "g", dwell_ms=1, energy_wh=1.0, cost_usd=0.5),
     ]  # fmt: skip
-    db.executemany(INSERT, [astuple(row) for row in before])
+    # Rows as version 2 had them: without the columns later migrations added.
+    old = [c for c in COLUMNS if c != "request_id"]
+    insert = f"INSERT INTO activity ({', '.join(old)}) VALUES ({', '.join('?' * len(old))})"
+    db.executemany(insert, [astuple(row)[: len(old)] for row in before])
     db.close()
     store = Store(path)
     await store.open()
@@ -354,6 +366,7 @@ async def test_C3_a_failed_batch_writes_nothing(store):
         0,
         0,
         None,
+        None,
     )
     bad = (
         T0,
@@ -376,6 +389,7 @@ async def test_C3_a_failed_batch_writes_nothing(store):
         0,
         0,
         0,
+        None,
         None,
     )
     with pytest.raises(StoreUnavailable) as failed:

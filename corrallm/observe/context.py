@@ -1,0 +1,53 @@
+"""The request in hand (SPEC §21 O1/O2): its id, and the capture of its exchange.
+
+The ASGI app opens an `Exchange` for each /v1 request before its codec runs and makes it
+current for the request's task (a context variable, so that no codec has to pass it on);
+the pipeline reads it to name the request, and the app's `send` wrapper puts the same id
+in `X-Corrallm-Request-Id` on every answer and feeds the capture what goes out.
+"""
+
+from __future__ import annotations
+
+import itertools
+import secrets
+from contextvars import ContextVar
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    from corrallm.cost.ledger import Visit
+
+HEADER = b"x-corrallm-request-id"
+
+# Ids are unique across restarts without a clock or a lookup: a random prefix per process
+# and a counter (a uuid4 costs several times as much, on every request).
+_PREFIX = secrets.token_hex(4)
+_NUMBERS = itertools.count(1)
+
+
+def new_request_id() -> str:
+    return f"{_PREFIX}{next(_NUMBERS):08x}"
+
+
+class Tee(Protocol):
+    """What the app's send wrapper feeds a capture (`captures.Capture`)."""
+
+    def start(self, status: int, headers: list[tuple[bytes, bytes]]) -> None: ...
+    def body(self, chunk: bytes) -> None: ...
+
+
+@dataclass(slots=True)
+class Exchange:
+    id: str
+    capture: Tee | None = None
+    visit: Visit | None = None  # set by the pipeline once the request is admitted to it
+
+
+CURRENT: ContextVar[Exchange | None] = ContextVar("corrallm_exchange", default=None)
+
+
+def current_request_id() -> str:
+    """The id of the request in hand; a fresh one where no exchange was opened (a
+    realtime session, a reservation)."""
+    exchange = CURRENT.get()
+    return exchange.id if exchange is not None else new_request_id()
