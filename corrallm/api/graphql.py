@@ -317,7 +317,7 @@ class Mutation:
     cancel_request = strawberry.mutation(
         resolver=_cancel_request,
         graphql_type=CancelResult,
-        description="POST /api/v1/requests/{id}/cancel",
+        description="POST /api/v1/requests/{request_id}/cancel",
     )
     reload_config = strawberry.mutation(
         resolver=_reload_config, graphql_type=ReloadResult, description="POST /api/v1/config/reload"

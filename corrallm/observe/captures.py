@@ -62,16 +62,18 @@ class Capture:
         self.headers = headers
 
     def body(self, chunk: bytes) -> None:
-        size = self.size
-        if size < LIMIT:
-            self.chunks.append(chunk if size + len(chunk) <= LIMIT else chunk[: LIMIT - size])
-        self.size = size + len(chunk)
+        size = self.size = self.size + len(chunk)
+        if size <= LIMIT:
+            self.chunks.append(chunk)
+        elif size - len(chunk) < LIMIT:  # the chunk that crosses the limit: its head only
+            self.chunks.append(chunk[: LIMIT - size + len(chunk)])
 
 
 @dataclass(frozen=True, slots=True)
 class Secrets:
     """What is redacted, gathered once per config: header names never shown, and the
-    configured values (and their credentials) looked for in bodies and other headers."""
+    values looked for in bodies and other headers: the backends' configured header values
+    (and their credentials) and the configured caller keys."""
 
     names: frozenset[str]
     values: tuple[bytes, ...]
@@ -84,6 +86,7 @@ class Secrets:
                 for name, value in backend.headers.items():
                     names.add(name.lower())
                     values.update(credentials(value.encode()))
+        values.update(key.encode() for key in config.keys)  # the callers' keys, in bodies
         return cls(frozenset(names), _longest_first(values))
 
     def for_request(self, headers: Sequence[tuple[bytes, bytes]]) -> tuple[bytes, ...]:

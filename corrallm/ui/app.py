@@ -58,7 +58,9 @@ class Dashboard:
             lstrip_blocks=True,
             undefined=jinja2.StrictUndefined,
         )
-        self.env.filters.update(size=size, duration=duration, when=when, pct=pct, money=money)
+        self.env.filters.update(
+            size=size, duration=duration, when=when, clock=clock, ms=ms, pct=pct, money=money
+        )
         self._static = {}
         for folder in reversed(folders):  # the web root's files win
             static = folder / "static"
@@ -117,7 +119,7 @@ class Dashboard:
         await self._page(send, 200, "dashboard.html", **context)
 
     async def _fragment(self, send: Send, name: str, query: dict[str, str]) -> None:
-        if name not in views.SECTIONS:
+        if name not in views.FRAGMENTS:
             await send_bytes(send, 404, b"No such section.", b"text/plain")
             return
         try:
@@ -190,6 +192,27 @@ def when(moment: float | str | None) -> str:
         except ValueError:
             return DASH
     return datetime.fromtimestamp(moment, UTC).strftime("%Y-%m-%d %H:%M UTC")
+
+
+def clock(moment: str | None, date: bool = False) -> str:
+    """An RFC 3339 time to the second in UTC: `14:03:27`, or with `date`
+    `2026-01-05 14:03:27 UTC`."""
+    if moment is None:
+        return DASH
+    try:
+        parsed = datetime.fromisoformat(moment.replace("Z", "+00:00")).astimezone(UTC)
+    except ValueError:
+        return DASH
+    return parsed.strftime("%Y-%m-%d %H:%M:%S UTC" if date else "%H:%M:%S")
+
+
+def ms(millis: float | None) -> str:
+    """Milliseconds, as `340 ms` under a second and `2.5 s` (or longer units) above."""
+    if millis is None:
+        return DASH
+    if millis < 1000:
+        return f"{millis:.0f} ms"
+    return duration(millis / 1000)
 
 
 def pct(fraction: float | None) -> str:

@@ -3,6 +3,7 @@ api/usage.py), the economics ledger included. Plain data for the templates; no H
 
 from __future__ import annotations
 
+import json
 from collections import defaultdict
 from typing import Any
 
@@ -13,14 +14,23 @@ from corrallm.proxy import audio
 
 SECTIONS = (
     "overview",
+    "requests",
     "residency",
     "lanes",
     "usage",
+    "activity",
     "logs",
     "economics",
     "playground",
     "definitions",
 )
+# Fragments the page fetches on demand and never renders on its own: one capture (O2),
+# opened from its activity row.
+FRAGMENTS = (*SECTIONS, "capture")
+# The activity section's rows, and how many of the newest captures are looked through to
+# mark the rows that have one (one pass over the ring per render, no lookup per row).
+ACTIVITY_ROWS = 50
+CAPTURE_SCAN = 1000
 # The playground's choices of `response_format`; diarized_json asks for speaker segments.
 FORMATS = ("json", "verbose_json", "diarized_json", "text", "srt", "vtt")
 # Usage ranges: (how far back, bucket length).
@@ -30,6 +40,12 @@ RANGES = {"hour": ("1h", "5m"), "day": ("24h", "1h"), "week": ("7d", "6h")}
 async def section(name: str, gw: Gateway, params: dict[str, str]) -> dict[str, Any]:
     if name == "overview":
         return overview(gw)
+    if name == "requests":
+        return service.live_requests(gw)
+    if name == "activity":
+        return await activity(gw)
+    if name == "capture":
+        return capture(gw, params.get("id", ""))
     if name == "residency":
         return residency(gw)
     if name == "lanes":
@@ -148,6 +164,33 @@ def _bars(groups: dict[str, dict[str, float]]) -> list[dict[str, Any]]:
         {"name": name, **g, "w": 100.0 * g["requests"] / top}
         for name, g in sorted(groups.items(), key=lambda kv: -kv[1]["requests"])
     ]
+
+
+async def activity(gw: Gateway) -> dict[str, Any]:
+    """The newest rows, each marked with whether a capture of its request is kept."""
+    rows = (await usage.activity(gw, ACTIVITY_ROWS))["rows"]
+    kept = {c["request_id"] for c in service.captures(gw, CAPTURE_SCAN)["captures"]}
+    for row in rows:
+        row["captured"] = row["request_id"] is not None and row["request_id"] in kept
+    return {"rows": rows, "bodies": gw.config.capture.bodies}
+
+
+def capture(gw: Gateway, request_id: str) -> dict[str, Any]:
+    """One kept capture (ApiError 404 when none is), its JSON bodies indented."""
+    record = service.capture(gw, request_id)
+    for side in ("request", "response"):
+        record[f"{side}_text"] = _readable(record[side], record["encoding"][side])
+    return record
+
+
+def _readable(body: str | None, encoding: str | None) -> str:
+    """A JSON body indented; anything else (a stream's events, a cut body, base64) as is."""
+    if body is None or encoding != "utf-8":
+        return body or ""
+    try:
+        return json.dumps(json.loads(body), indent=2, ensure_ascii=False)
+    except ValueError:
+        return body
 
 
 def logs(gw: Gateway, model: str | None) -> dict[str, Any]:

@@ -25,6 +25,7 @@ CALLER = "caller-key-5678"
 def config(bodies: str = "all", mb: float = 1.0) -> Config:
     return load_config_text(
         f"capture: {{bufferMB: {mb}, bodies: {bodies}}}\n"
+        "keys: {configured-key-4321: default}\n"
         "models:\n"
         "  m:\n"
         "    backends:\n"
@@ -187,6 +188,7 @@ def test_O2_a_stream_is_reassembled_from_its_relayed_chunks() -> None:
 def test_O2_every_secret_is_redacted_from_headers_and_bodies() -> None:
     captures = Captures(config("all"))
     body = f'{{"model": "m", "echo": "{CALLER} and {UPSTREAM} and upstream-secret-1234"}}'
+    body += " another caller's configured-key-4321"
     exchange(
         captures,
         "sec",
@@ -200,12 +202,15 @@ def test_O2_every_secret_is_redacted_from_headers_and_bodies() -> None:
             ("X-Extra", "yes"),
             ("User-Agent", "tests"),
         ),
-        response_headers=[(b"set-cookie", b"session=cookie-value-999"), (b"x-echo", UPSTREAM.encode())],
-    )  # fmt: skip
+        response_headers=[
+            (b"set-cookie", b"session=cookie-value-999"),
+            (b"x-echo", UPSTREAM.encode()),
+        ],
+    )
     kept = captures.get("sec")
     assert kept is not None
     text = repr(kept)
-    for secret in (CALLER, "upstream-secret-1234", "cookie-value-999"):
+    for secret in (CALLER, "upstream-secret-1234", "cookie-value-999", "configured-key-4321"):
         assert secret not in text
     headers = kept.request_headers
     for name in ("authorization", "x-api-key", "x-corrallm-key", "cookie", "x-extra"):
@@ -213,7 +218,7 @@ def test_O2_every_secret_is_redacted_from_headers_and_bodies() -> None:
     assert headers["user-agent"] == "tests"
     assert kept.response_headers["set-cookie"] == "[redacted]"
     assert kept.response_headers["x-echo"] == "[redacted]"
-    assert kept.request.count("[redacted]") == 3
+    assert kept.request.count("[redacted]") == 4
 
 
 @pytest.mark.parametrize("offset", range(1, 15))

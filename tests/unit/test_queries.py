@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 from corrallm.api.usage import parse_bucket, parse_time, time_range
 from corrallm.proxy.errors import ApiError
 from corrallm.store import activity, queries
-from corrallm.store.activity import COLUMNS, INSERT, Activity, ActivityLog
+from corrallm.store.activity import COLUMNS, Activity, ActivityLog
 from corrallm.store.db import MIGRATIONS, Store, StoreUnavailable
 
 H = 3600

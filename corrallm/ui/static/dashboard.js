@@ -39,6 +39,11 @@
     tick();
   }
 
+  // Rows reach the store in its writer's next batch (once a second): a section read from
+  // the store is read again after it.
+  const STORE_FLUSH_MS = 1300;
+  function later(ms, ...names) { setTimeout(() => schedule(...names), ms); }
+
   function schedule(...names) {
     names.forEach((n) => pending.add(n));
     if (timer) return;
@@ -57,11 +62,18 @@
   const on = (kind, fn) => events.addEventListener(kind, (e) => fn(JSON.parse(e.data)));
 
   on("lifecycle", () => schedule("overview", "residency", "economics", "logs", "playground"));
-  on("usage", () => schedule("usage", "lanes"));
+  on("usage", () => {
+    schedule("usage", "lanes", "activity");
+    later(STORE_FLUSH_MS, "usage", "lanes", "activity");
+  });
+  on("request", () => schedule("requests"));
   on("reservation", () => schedule("lanes"));
   on("queue_depth", () => schedule("usage"));
   on("admission", (data) => {
     let lanesStale = false;
+    // Ages and tokens so far move while anything is held: the live table follows each pass.
+    if (data.backends.some((b) => b.in_flight || b.waiting)
+        || document.querySelector("#requests tr[data-request]")) schedule("requests");
     for (const b of data.backends) {
       const row = document.querySelector(`#overview tr[data-backend="${CSS.escape(b.backend)}"]`);
       if (!row) continue;
@@ -98,13 +110,16 @@
   };
 
   document.addEventListener("click", async (event) => {
-    const button = event.target.closest("button[data-action], button[data-range]");
+    const button = event.target.closest(
+      "button[data-action], button[data-range], button[data-capture]");
     if (!button) return;
     if (button.dataset.range) {
       document.getElementById("usage").dataset.params = `range=${button.dataset.range}`;
       refresh("usage");
       return;
     }
+    if (button.dataset.capture) { openCapture(button.dataset.capture); return; }
+    if (button.dataset.action === "cancel") { cancelRequest(button); return; }
     const model = button.dataset.model;
     const action = ACTIONS[button.dataset.action];
     if (action.confirm && !window.confirm(action.confirm.replace("%s", model))) return;
@@ -131,6 +146,70 @@
       button.disabled = false;
       schedule("overview", "residency", "economics");
     }
+  });
+
+  // O1: end one held request; a queued one gets 503 cancelled, a running one is cancelled
+  // upstream. The row goes when its `request` event (ended) re-fetches the table.
+  async function cancelRequest(button) {
+    const id = button.dataset.request;
+    const what = `request ${id} (${button.dataset.model})`;
+    if (!window.confirm(`Cancel ${what}? A queued request is answered 503 cancelled; `
+      + "a running one is cut off upstream.")) return;
+    button.disabled = true;
+    say(`cancel ${what}…`);
+    try {
+      const response = await fetch(`/api/v1/requests/${encodeURIComponent(id)}/cancel`, {
+        method: "POST", credentials: "same-origin",
+      });
+      const data = await response.json().catch(() => ({}));
+      say(response.ok ? `cancel ${what}: cancelled while ${data.state}`
+        : `cancel ${what} refused: ${(data.error || {}).message || response.status}`);
+    } catch (err) {
+      say(`cancel ${what} failed: ${err}`);
+    } finally {
+      button.disabled = false;
+      schedule("requests");
+    }
+  }
+
+  // O2: one capture, rendered by the server (escaped) into the page's dialog.
+  const dialog = document.getElementById("capture-dialog");
+  const dialogBody = dialog.querySelector("[data-capture-body]");
+  let opener = null;
+
+  async function openCapture(id) {
+    opener = id;
+    say(`capture ${id}…`);
+    let response;
+    try {
+      response = await fetch(`/ui/section/capture?id=${encodeURIComponent(id)}`,
+        { credentials: "same-origin" });
+    } catch (err) {
+      say(`capture ${id} failed: ${err}`);
+      return;
+    }
+    if (response.status === 401) { location.href = "/signin"; return; }
+    const text = await response.text();
+    if (response.ok) {
+      dialogBody.innerHTML = text;
+      say("");
+    } else {
+      const p = document.createElement("p");
+      p.className = "error";
+      p.textContent = text;  // the gateway's words, as text
+      dialogBody.replaceChildren(p);
+      say(`capture ${id}: ${response.status}`);
+    }
+    if (!dialog.open) dialog.showModal();
+    dialogBody.scrollTop = 0;
+  }
+
+  dialog.addEventListener("close", () => {
+    dialogBody.replaceChildren();
+    // Back to the button that opened it (the activity table may have been re-rendered).
+    const back = opener && document.querySelector(`button[data-capture="${CSS.escape(opener)}"]`);
+    if (back) back.focus();
+    opener = null;
   });
 
   document.addEventListener("change", (event) => {
