@@ -5,6 +5,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.calls import Call
 from tests.support.processes import (
     FakeBackend,
     Gateway,
@@ -39,3 +40,13 @@ def fake_backend(tmp_path: Path) -> Iterator[FakeBackend]:
     finally:
         kill_group(backend.proc.pid)
         backend.proc.wait(10)
+
+
+@pytest.fixture
+def calls() -> Iterator[list[Call]]:
+    """Chat requests a test runs in threads of their own (`tests/support/calls.py`): each
+    is waited for at the end, bounded."""
+    made: list[Call] = []
+    yield made
+    for call in made:
+        call.join(30)

@@ -8,15 +8,13 @@ from __future__ import annotations
 
 import json
 import re
-import threading
-from collections.abc import Iterator
 
 import httpx
-import pytest
 from playwright.sync_api import Page, expect
 
 from tests.support.browser import BROWSER_TIER, sign_in
-from tests.support.processes import Gateway, fake_cmd, wait_for
+from tests.support.calls import CHAT, Call
+from tests.support.processes import fake_cmd, wait_for
 
 pytestmark = BROWSER_TIER
 
@@ -35,40 +33,6 @@ models:
     backends: [{{cmd: "{fake_cmd("--die-mid-body")}", proxy: "${{PORT}}"}}]
 """
 DASH = "\N{EN DASH}"  # an empty cell
-CHAT = {"messages": [{"role": "user", "content": "hi"}]}
-
-
-class Call(threading.Thread):
-    """One chat request in its own thread: its status and body (events for a stream)."""
-
-    def __init__(self, gw: Gateway, model: str, stream: bool) -> None:
-        super().__init__(daemon=True)
-        self.gw, self.model, self.stream = gw, model, stream
-        self.status: int | None = None
-        self.body = b""
-        self.events: list[str] = []
-        self.start()
-
-    def run(self) -> None:
-        body = {"model": self.model, "stream": self.stream, **CHAT}
-        with httpx.stream("POST", self.gw.v1 + "/chat/completions", json=body, timeout=60) as r:
-            self.status = r.status_code
-            for line in r.iter_lines():
-                if line.startswith("data: "):
-                    self.events.append(line[len("data: ") :])
-                self.body += line.encode() + b"\n"
-
-    def finished(self) -> bool:
-        self.join(0)
-        return not self.is_alive()
-
-
-@pytest.fixture
-def calls() -> Iterator[list[Call]]:
-    made: list[Call] = []
-    yield made
-    for call in made:
-        call.join(30)
 
 
 def confirmations(page: Page) -> list[str]:

@@ -5,16 +5,13 @@ from __future__ import annotations
 
 import json
 import threading
-from collections.abc import Iterator
 from typing import Any
 
 import httpx
-import pytest
 
+from tests.support.calls import CHAT, Call
 from tests.support.observe import request_rows
 from tests.support.processes import Gateway, fake_cmd, wait_for
-
-CHAT = {"messages": [{"role": "user", "content": "hi"}]}
 
 
 def config(*flags: str) -> str:
@@ -31,47 +28,13 @@ def held(gw: Gateway) -> list[dict[str, Any]]:
     return r.json()["requests"]
 
 
-class Call(threading.Thread):
-    """One chat request in its own thread: its head, and its body (events for a stream)."""
-
-    def __init__(self, gw: Gateway, stream: bool) -> None:
-        super().__init__(daemon=True)
-        self.gw, self.stream = gw, stream
-        self.status: int | None = None
-        self.headers: httpx.Headers | None = None
-        self.body = b""
-        self.events: list[str] = []
-        self.start()
-
-    def run(self) -> None:
-        body = {"model": "slow", "stream": self.stream, **CHAT}
-        with httpx.stream("POST", self.gw.v1 + "/chat/completions", json=body, timeout=60) as r:
-            self.status, self.headers = r.status_code, r.headers
-            for line in r.iter_lines():
-                if line.startswith("data: "):
-                    self.events.append(line[len("data: ") :])
-                self.body += line.encode() + b"\n"
-
-    def finished(self) -> bool:
-        self.join(0)
-        return not self.is_alive()
-
-
-@pytest.fixture
-def calls() -> Iterator[list[Call]]:
-    made: list[Call] = []
-    yield made
-    for call in made:
-        call.join(30)
-
-
 def test_O1_a_running_stream_and_a_queued_request_are_listed_and_each_cancel_ends_it(
     gateway_factory, calls
 ):
     gw = gateway_factory(config("--tokens", "400", "--token-delay", "0.02"))
-    calls.append(running := Call(gw, stream=True))
+    calls.append(running := Call(gw, "slow", stream=True))
     wait_for(lambda: any(r["state"] == "running" for r in held(gw)), 30, what="running")
-    calls.append(queued := Call(gw, stream=False))
+    calls.append(queued := Call(gw, "slow", stream=False))
     wait_for(lambda: len(held(gw)) == 2, 30, what="a second request held")
     wait_for(
         lambda: next(r for r in held(gw) if r["stream"])["completion_tokens"] >= 3,
@@ -144,7 +107,7 @@ def test_O1_cancel_of_a_request_not_held_is_404_and_graphql_has_both_twins(gatew
     gone = gw.api("POST", "requests/0123456789abcdef/cancel")
     assert gone.status_code == 404 and gone.json()["error"]["code"] == "request_not_found"
 
-    calls.append(running := Call(gw, stream=True))
+    calls.append(running := Call(gw, "slow", stream=True))
     wait_for(lambda: held(gw), 30, what="a request held")
 
     def graphql(query: str) -> dict[str, Any]:
