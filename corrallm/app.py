@@ -316,6 +316,7 @@ def _answering(send: Send, exchange: Exchange) -> Send:
     async def answering(message: Message) -> None:
         capture = exchange.capture
         if message["type"] == "http.response.start":
+            exchange.answered = True
             headers = [*message.get("headers", ()), (HEADER, rid)]
             message = {**message, "headers": headers}
             if capture is not None:

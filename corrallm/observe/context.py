@@ -41,13 +41,14 @@ class Exchange:
     id: str
     capture: Tee | None = None
     visit: Visit | None = None  # set by the pipeline once the request is admitted to it
+    answered: bool = False  # the head of an answer went out to the client
 
 
 CURRENT: ContextVar[Exchange | None] = ContextVar("corrallm_exchange", default=None)
 
 
-def current_request_id() -> str:
-    """The id of the request in hand; a fresh one where no exchange was opened (a
-    realtime session, a reservation)."""
+def answer_begun() -> bool | None:
+    """Whether the request in hand has sent its client the head of an answer (None: no
+    exchange was opened for it, as for a realtime session)."""
     exchange = CURRENT.get()
-    return exchange.id if exchange is not None else new_request_id()
+    return None if exchange is None else exchange.answered

@@ -31,7 +31,7 @@ from corrallm.cost.ledger import Visit
 from corrallm.gateway import Caller, Gateway
 from corrallm.lifecycle.errors import BackendPaused, LifecycleError
 from corrallm.lifecycle.supervisor import Cause
-from corrallm.observe.context import CURRENT, new_request_id
+from corrallm.observe.context import CURRENT, answer_begun, new_request_id
 from corrallm.observe.live import LiveRequest
 from corrallm.proxy.asgi import Scope, header
 from corrallm.proxy.client import Client
@@ -327,13 +327,15 @@ class _Flight:
 
     async def cancelled(self, admitted: Admitted) -> None:
         """O1: an operator cancelled it while it talked to its backend (whose request is
-        dropped with the task's cancel). A stream under way ends with the surface's error
-        event; an answer not begun is a 503 `cancelled`."""
+        dropped with the task's cancel). An answer not begun is a 503 `cancelled`; a stream
+        under way ends with the surface's error event; a plain body under way is cut off
+        (returning unfinished makes the server close the connection)."""
         error = cancelled(self.live)
-        if not admitted.ticket.started:
-            raise error
+        ticket = admitted.ticket
+        if not ticket.started or (ticket.shielded and answer_begun() is False):
+            raise error  # nothing of the backend's answer reached the client
         self.visit.status, self.visit.error = error.status, f"{error.code}: {error.message}"
-        if self.interrupted is not None:
+        if not ticket.shielded and self.interrupted is not None:
             await self.interrupted(admitted, error)
 
     async def queued(self, admit: Awaitable[Ticket], note: Callable[[], str]) -> Ticket:

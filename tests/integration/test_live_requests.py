@@ -157,3 +157,19 @@ def test_O1_a_request_event_says_when_each_starts_and_ends(gateway_factory):
         ("ended", rid, "slow"),
     ]
     assert (seen[1]["status"], seen[1]["cancelled"]) == (200, False)
+
+
+def test_O1_a_running_request_whose_answer_has_not_begun_is_a_503_cancelled(gateway_factory, calls):
+    gw = gateway_factory(config("--tokens", "400", "--token-delay", "0.02"))
+    calls.append(waiting := Call(gw, "slow", stream=False))  # its answer comes whole, in 8 s
+    (one,) = wait_for(lambda: [r for r in held(gw) if r["state"] == "running"], 30, what="running")
+    gw.api("POST", f"requests/{one['id']}/cancel")
+    wait_for(waiting.finished, 30, what="the answer")
+    assert waiting.status == 503
+    assert json.loads(waiting.body)["error"]["code"] == "cancelled"
+    port = gw.records()["slow#0"]["port"]
+    wait_for(
+        lambda: httpx.get(f"http://127.0.0.1:{port}/debug/stats").json()["cancelled"] == 1,
+        30,
+        what="the backend saw the cancel",
+    )
