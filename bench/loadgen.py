@@ -83,6 +83,7 @@ async def streams(spec: dict[str, Any]) -> dict[str, Any]:
     ttft: list[float] = []
     gaps: list[float] = []
     errors = [0]
+    events = [0]
 
     async def one(s: aiohttp.ClientSession) -> None:
         t0 = time.perf_counter()
@@ -95,6 +96,7 @@ async def streams(spec: dict[str, Any]) -> dict[str, Any]:
             first = True
             async for line in r.content:
                 now = time.perf_counter()
+                events[0] += line.startswith(b"data: ")
                 if first and line.startswith(b"data: "):
                     ttft.append(now - t0)
                     first = False
@@ -118,6 +120,7 @@ async def streams(spec: dict[str, Any]) -> dict[str, Any]:
         **summary(gaps, "gap_"),
         "streams": len(ttft),
         "errors": errors[0],
+        "events": events[0],
     }
 
 

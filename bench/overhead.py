@@ -1,15 +1,22 @@
 """What does corrallm add on the hot path? Same load, same run: direct, corrallm, nginx,
 LiteLLM.
 
-    .venv/bin/python bench/overhead.py [--requests N] [--quick] [--json]
+    .venv/bin/python bench/overhead.py [--requests N] [--quick] [--json] [--profile FILE]
 
-Starts the fake backend (`--fast`) and a streaming one, then sends the same load straight
-to them, through `corrallm serve` (a pure-proxy config), and through nginx `proxy_pass`
-with upstream keepalive when nginx is installed, and through LiteLLM's proxy when `make
-litellm` has installed it (or CORRALLM_LITELLM names one). When a real llama-server is found
+Upstreams that cost next to nothing: nginx serving a static chat completion (its own
+instance, not the nginx under test) and a small C program that streams SSE
+(bench/stream_upstream.c, built here with gcc). The same load goes straight to them,
+through `corrallm serve` (a pure-proxy config), through nginx `proxy_pass` with upstream
+keepalive, and through LiteLLM's proxy when `make litellm` has installed it (or
+CORRALLM_LITELLM names one). With 2 or 3 CPUs the proxy under test runs alone on the last
+CPU and the upstreams and load generators on the others (with 4 or more, each on its
+own); `--no-pin` turns that off. The load: `wrk` (c=64), bench/loadgen.py (c=1 latency),
+bench/stream_client.c (1,000 concurrent streams). When a real llama-server is found
 (`make llama-server`, or CORRALLM_LLAMA_SERVER) it also serves a tiny generated model,
 measured direct and through corrallm. Prints markdown tables with ratios against the
-direct baseline measured in this run. See bench/README.md.
+direct baseline measured in this run, and where the CPU went in each phase. Without nginx
+or gcc it falls back to `corrallm fake-backend` and the Python load generator (noted).
+See bench/README.md.
 """
 
 from __future__ import annotations
@@ -19,23 +26,31 @@ import contextlib
 import json
 import os
 import re
+import resource
 import shutil
 import signal
 import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.request
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 ROOT = Path(__file__).resolve().parent.parent
-LOADGEN = Path(__file__).resolve().parent / "loadgen.py"
+BENCH = Path(__file__).resolve().parent
+LOADGEN = BENCH / "loadgen.py"
 PY = sys.executable
 PROMPT = [{"role": "user", "content": "Hello, how are you today?"}]
 STREAM_TOKENS = 64
+FAST_TOKENS = 16  # tokens in the non-streamed answer (the request asks max_tokens 16)
+CLK_TCK = os.sysconf("SC_CLK_TCK")
+PAGE = os.sysconf("SC_PAGE_SIZE")
 LLAMA_MAX_TOKENS = 4
 
 
@@ -59,11 +74,17 @@ def http_status(url: str) -> int | None:
 
 
 def cpu_plan() -> dict[str, set[int]]:
-    """Pin backend, proxy and load generator apart when there are >= 4 CPUs (steadier runs)."""
+    """Where each role runs: with >= 4 CPUs backend, proxy and load generator each on their
+    own; with 2 or 3 the proxy under test alone on the last CPU and the upstreams and load
+    generators together on the others (so the proxy's CPU is all its own, as on a server);
+    with 1 nothing is pinned."""
     cpus = sorted(os.sched_getaffinity(0))
-    if len(cpus) < 4:
-        return {}
-    return {"backend": {cpus[0]}, "proxy": {cpus[1]}, "client": set(cpus[2:6])}
+    if len(cpus) >= 4:
+        return {"backend": {cpus[0]}, "proxy": {cpus[1]}, "client": set(cpus[2:6])}
+    if len(cpus) >= 2:
+        rest = set(cpus[:-1])
+        return {"backend": rest, "proxy": {cpus[-1]}, "client": rest}
+    return {}
 
 
 def pinner(cpus: set[int] | None) -> Any:
@@ -127,8 +148,21 @@ class Target:
     name: str
     chat_url: str
     stream_url: str
-    pid: int | None = None
+    pid: int | None = None  # its session leader (each process is started in its own session)
     llama_url: str | None = None  # chat completions served by the real llama-server
+
+
+@dataclass
+class Upstreams:
+    """The two upstreams every path is measured against, and what they are."""
+
+    fast_port: int
+    stream_port: int
+    fast_pid: int
+    stream_pid: int
+    fast_kind: str
+    stream_kind: str
+    client: Path | None  # the C stream client, or None: the Python one
 
 
 def start_corrallm(
@@ -136,11 +170,13 @@ def start_corrallm(
 ) -> Target:
     port = free_port()
     config = procs.tmp / "corrallm.yaml"
+    # maxConcurrent above the stream count: a stream's next round may arrive before the slot
+    # of the one that just ended is released, and the bench measures relaying, not queueing.
     config.write_text(
         "models:\n"
-        f"  bench: {{backends: [{{proxy: 'http://127.0.0.1:{fast_port}', maxConcurrent: 1000}}]}}\n"
+        f"  bench: {{backends: [{{proxy: 'http://127.0.0.1:{fast_port}', maxConcurrent: 4096}}]}}\n"
         f"  bench-stream: {{backends: [{{proxy: 'http://127.0.0.1:{stream_port}', "
-        "maxConcurrent: 1000}]}\n"
+        "maxConcurrent: 4096}]}\n"
         + (
             f"  bench-llama: {{backends: [{{proxy: 'http://127.0.0.1:{llama_port}', "
             "maxConcurrent: 1000}]}\n"
@@ -217,22 +253,39 @@ def start_litellm(procs: Procs, binary: str, fast_port: int, stream_port: int) -
     return Target("litellm", url, url, proc.pid)
 
 
-NGINX_CONF = """daemon off;
+NGINX_COMMON = """daemon off;
 worker_processes 1;
-pid {tmp}/nginx.pid;
-error_log {tmp}/nginx-error.log warn;
+worker_rlimit_nofile 16384;
+pid {prefix}/nginx.pid;
+error_log {prefix}/error.log warn;
 events {{ worker_connections 8192; }}
 http {{
     access_log off;
-    client_body_temp_path {tmp}/nginx-body;
-    proxy_temp_path {tmp}/nginx-proxy;
-    fastcgi_temp_path {tmp}/nginx-fastcgi;
-    uwsgi_temp_path {tmp}/nginx-uwsgi;
-    scgi_temp_path {tmp}/nginx-scgi;
-    upstream fast {{ server 127.0.0.1:{fast}; keepalive 256; }}
-    upstream stream {{ server 127.0.0.1:{stream}; keepalive 256; }}
+    keepalive_requests 1000000;
+    keepalive_timeout 300s;
+    client_body_temp_path {prefix}/body;
+    proxy_temp_path {prefix}/proxy;
+    fastcgi_temp_path {prefix}/fastcgi;
+    uwsgi_temp_path {prefix}/uwsgi;
+    scgi_temp_path {prefix}/scgi;
+{servers}
+}}
+"""
+
+# nginx as the proxy under test: one worker, upstream keepalive, HTTP/1.1 to the upstream,
+# no buffering of the streams.
+NGINX_PROXY = """    upstream fast {{
+        server 127.0.0.1:{fast};
+        keepalive 256;
+        keepalive_requests 1000000;
+    }}
+    upstream stream {{
+        server 127.0.0.1:{stream};
+        keepalive 1024;
+        keepalive_requests 1000000;
+    }}
     server {{
-        listen 127.0.0.1:{port};
+        listen 127.0.0.1:{port} backlog=4096;
         location / {{
             proxy_pass http://fast;
             proxy_http_version 1.1;
@@ -240,16 +293,22 @@ http {{
         }}
     }}
     server {{
-        listen 127.0.0.1:{sport};
+        listen 127.0.0.1:{sport} backlog=4096;
         location / {{
             proxy_pass http://stream;
             proxy_http_version 1.1;
             proxy_set_header Connection "";
             proxy_buffering off;
         }}
-    }}
-}}
-"""
+    }}"""
+
+# nginx as the non-streaming upstream (its own instance): a static chat completion.
+NGINX_STATIC = """    server {{
+        listen 127.0.0.1:{port} backlog=4096;
+        default_type application/json;
+        location = /health {{ return 200 '{{"status":"ok"}}'; }}
+        location / {{ return 200 '{body}'; }}
+    }}"""
 
 
 def find_nginx() -> str | None:
@@ -258,17 +317,210 @@ def find_nginx() -> str | None:
     )
 
 
+def _nginx(procs: Procs, nginx: str, name: str, role: str, servers: str) -> Any:
+    prefix = procs.tmp / name
+    prefix.mkdir()
+    conf = prefix / "nginx.conf"
+    conf.write_text(NGINX_COMMON.format(prefix=prefix, servers=servers))
+    cmd = [nginx, "-p", str(prefix), "-e", str(prefix / "error.log"), "-c", str(conf)]
+    return procs.start(name, cmd, role)
+
+
 def start_nginx(procs: Procs, nginx: str, fast_port: int, stream_port: int) -> Target:
     port, sport = free_port(), free_port()
-    conf = procs.tmp / "nginx.conf"
-    conf.write_text(
-        NGINX_CONF.format(tmp=procs.tmp, fast=fast_port, stream=stream_port, port=port, sport=sport)
-    )
-    cmd = [nginx, "-p", str(procs.tmp), "-e", str(procs.tmp / "nginx-error.log"), "-c", str(conf)]
-    proc = procs.start("nginx", cmd, "proxy")
+    servers = NGINX_PROXY.format(fast=fast_port, stream=stream_port, port=port, sport=sport)
+    proc = _nginx(procs, nginx, "nginx", "proxy", servers)
     procs.wait_healthy("nginx", proc, f"http://127.0.0.1:{port}/health")
     path = "/v1/chat/completions"
-    return Target("nginx", f"http://127.0.0.1:{port}{path}", f"http://127.0.0.1:{sport}{path}")
+    return Target(
+        "nginx", f"http://127.0.0.1:{port}{path}", f"http://127.0.0.1:{sport}{path}", proc.pid
+    )
+
+
+def fake_answers() -> tuple[bytes, list[bytes], int]:
+    """The bytes `corrallm fake-backend` would send: the non-streamed answer to the bench's
+    request, and the events of a streamed one with the index of its first token event."""
+    from corrallm.fake_backend import responses as r
+
+    prompt = r.count_words(PROMPT[0]["content"])
+    body = r.chat_completion("chatcmpl-bench", 1700000000, "bench", FAST_TOKENS, "length", prompt)
+    events, first = r.stream_events(
+        True, "chatcmpl-bench", 1700000000, "bench-stream", STREAM_TOKENS, "stop", prompt, False
+    )
+    return body, events, first
+
+
+def start_static_upstream(procs: Procs, nginx: str) -> tuple[int, Any]:
+    """nginx answering every request with the static chat completion; its port and process."""
+    body = fake_answers()[0].decode()
+    if any(ch in body for ch in ("'", "$", "\\", "\n")):  # nginx would interpret these
+        raise RuntimeError("the static answer holds a character nginx would interpret")
+    port = free_port()
+    servers = NGINX_STATIC.format(port=port, body=body)
+    proc = _nginx(procs, nginx, "upstream-nginx", "backend", servers)
+    procs.wait_healthy("upstream-nginx", proc, f"http://127.0.0.1:{port}/health")
+    return port, proc
+
+
+def build_c(tmp: Path) -> dict[str, Path]:
+    """Compile bench/stream_upstream.c and bench/stream_client.c into `tmp`."""
+    gcc = shutil.which("gcc") or shutil.which("cc")
+    if gcc is None:
+        raise RuntimeError("no C compiler (gcc or cc) found")
+    out = {}
+    for name in ("stream_upstream", "stream_client"):
+        exe = tmp / name
+        cmd = [gcc, "-O2", "-o", str(exe), str(BENCH / f"{name}.c"), "-lm"]
+        done = subprocess.run(cmd, capture_output=True, text=True)
+        if done.returncode:
+            raise RuntimeError(f"{' '.join(cmd)} failed:\n{done.stderr[-2000:]}")
+        out[name] = exe
+    return out
+
+
+def start_stream_upstream(procs: Procs, exe: Path, delay: float) -> tuple[int, Any]:
+    """The C streaming upstream, sending the fake backend's events `delay` apart."""
+    _, events, first = fake_answers()
+    lines = []
+    for i, event in enumerate(events):
+        if event == b"data: [DONE]\n\n":
+            continue  # the program ends every stream with it
+        assert event.startswith(b"data: ") and event.endswith(b"\n\n") and b"\n" not in event[:-2]
+        delayed = first < i < first + STREAM_TOKENS  # as the fake backend spaces them
+        lines.append(b"1 " if delayed else b"0 ")
+        lines.append(event[6:-2] + b"\n")
+    path = procs.tmp / "stream-events.txt"
+    path.write_bytes(b"".join(lines))
+    port = free_port()
+    cmd = [str(exe), str(port), str(path), str(round(delay * 1e6))]
+    proc = procs.start("stream-upstream", cmd, "backend")
+    procs.wait_healthy("stream-upstream", proc, f"http://127.0.0.1:{port}/health")
+    return port, proc
+
+
+def start_upstreams(procs: Procs, args: argparse.Namespace, notes: list[str]) -> Upstreams:
+    """nginx static + the C streamer; `corrallm fake-backend` for either that cannot run."""
+    fake = [PY, "-m", "corrallm", "fake-backend"]
+    fast = stream = None
+    fast_kind = stream_kind = "corrallm fake-backend (Python)"
+    nginx = find_nginx()
+    if nginx is None:
+        notes.append(
+            "nginx not found (`apt-get install -y nginx`): fast upstream is the fake backend"
+        )
+    else:
+        try:
+            fast = start_static_upstream(procs, nginx)
+            fast_kind = "nginx, static `return 200` (own instance, 1 worker)"
+        except RuntimeError as exc:
+            notes.append(f"static nginx upstream failed, using the fake backend: {exc}")
+    client = None
+    try:
+        tools = build_c(procs.tmp)
+        stream = start_stream_upstream(procs, tools["stream_upstream"], args.token_delay)
+        stream_kind = "bench/stream_upstream.c (epoll, 1 thread)"
+        client = tools["stream_client"]
+    except RuntimeError as exc:
+        notes.append(f"C stream upstream/client unavailable, using Python ones: {exc}")
+    if fast is None:
+        port = free_port()
+        proc = procs.start("fast", [*fake, "--port", str(port), "--fast"], "backend")
+        procs.wait_healthy("fast", proc, f"http://127.0.0.1:{port}/health")
+        fast = (port, proc)
+    if stream is None:
+        port = free_port()
+        cmd = [*fake, "--port", str(port), "--model-name", "bench-stream"]
+        cmd += ["--tokens", str(STREAM_TOKENS), "--token-delay", str(args.token_delay)]
+        proc = procs.start("stream", cmd, "backend")
+        procs.wait_healthy("stream", proc, f"http://127.0.0.1:{port}/health")
+        stream = (port, proc)
+    return Upstreams(fast[0], stream[0], fast[1].pid, stream[1].pid, fast_kind, stream_kind, client)
+
+
+# --- accounting -----------------------------------------------------------------------------
+
+
+def session_usage(sid: int | None) -> tuple[float, float]:
+    """CPU seconds (utime+stime of every thread, plus reaped children) and resident MB,
+    summed over the processes of session `sid` (each server here leads its own)."""
+    if sid is None:
+        return 0.0, 0.0
+    ticks = pages = 0
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry.name}/stat", "rb") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        fields = stat[stat.rindex(b")") + 2 :].split()  # fields[0] is field 3 (state)
+        if int(fields[3]) != sid:
+            continue
+        ticks += sum(int(x) for x in fields[11:15])  # utime stime cutime cstime
+        pages += int(fields[21])
+    return ticks / CLK_TCK, pages * PAGE / 2**20
+
+
+def cpu_jiffies() -> dict[int, tuple[int, int]]:
+    """Per CPU: (busy, total) jiffies from /proc/stat."""
+    out = {}
+    for line in Path("/proc/stat").read_text().splitlines():
+        m = re.match(r"cpu(\d+) (.*)", line)
+        if m:
+            v = [int(x) for x in m.group(2).split()[:8]]  # guest time is already in user
+            out[int(m.group(1))] = (sum(v) - v[3] - v[4], sum(v))  # minus idle and iowait
+    return out
+
+
+def children_cpu() -> float:
+    ru = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return ru.ru_utime + ru.ru_stime
+
+
+@dataclass
+class Window:
+    """Where the CPU went while one load ran: the proxy, the upstream, the load generator
+    (the children waited for meanwhile), and how busy each pinned CPU set was."""
+
+    proxy: int | None
+    upstream: int
+    sets: dict[str, set[int]]
+    sample_rss: bool = False
+    result: dict[str, Any] = field(default_factory=dict)
+
+    def __enter__(self) -> Window:
+        self._rss = 0.0
+        self._stop = threading.Event()
+        if self.sample_rss and self.proxy:
+            self._sampler = threading.Thread(target=self._sample, daemon=True)
+            self._sampler.start()
+        self._t = time.monotonic()
+        self._cpus = cpu_jiffies()
+        self._proxy = session_usage(self.proxy)[0]
+        self._upstream = session_usage(self.upstream)[0]
+        self._client = children_cpu()
+        return self
+
+    def _sample(self) -> None:
+        while not self._stop.wait(0.25):
+            self._rss = max(self._rss, session_usage(self.proxy)[1])
+
+    def __exit__(self, *exc: object) -> None:
+        wall = time.monotonic() - self._t
+        cpus = cpu_jiffies()
+        proxy, rss = session_usage(self.proxy)
+        self._stop.set()
+        r = self.result
+        r["wall_s"] = wall
+        r["proxy_cpu_s"] = proxy - self._proxy if self.proxy else None
+        r["upstream_cpu_s"] = session_usage(self.upstream)[0] - self._upstream
+        r["client_cpu_s"] = children_cpu() - self._client
+        r["rss_mb"] = max(self._rss, rss) if self.proxy else None
+        for name, ids in self.sets.items():
+            busy = sum(cpus[i][0] - self._cpus[i][0] for i in ids if i in cpus)
+            total = sum(cpus[i][1] - self._cpus[i][1] for i in ids if i in cpus)
+            r[f"busy_{name}"] = 100 * busy / total if total else None
 
 
 # --- measurements ---------------------------------------------------------------------------
@@ -282,6 +534,7 @@ class OutOfTime(Exception):
 class Bench:
     args: argparse.Namespace
     procs: Procs
+    up: Upstreams
     deadline: float
 
     def left(self) -> float:
@@ -290,48 +543,53 @@ class Bench:
             raise OutOfTime
         return left
 
-    def loadgen(self, spec: dict[str, Any]) -> dict[str, Any]:
-        cpus = self.procs.pins.get("client")
+    def cpu_sets(self) -> dict[str, set[int]]:
+        pins = self.procs.pins
+        if not pins:
+            return {"all": set(os.sched_getaffinity(0))}
+        sets = {"proxy": pins["proxy"], "client": pins["client"]}
+        if pins["backend"] != pins["client"]:
+            sets["backend"] = pins["backend"]
+        return sets
+
+    def window(self, t: Target, upstream: int, rss: bool = False) -> Window:
+        return Window(t.pid, upstream, self.cpu_sets(), rss)
+
+    def run_client(self, cmd: list[str]) -> str:
         out = subprocess.run(
-            [PY, str(LOADGEN), json.dumps(spec)],
+            cmd,
             capture_output=True,
             check=True,
+            text=True,
             timeout=self.left(),
-            preexec_fn=pinner(cpus),
+            preexec_fn=pinner(self.procs.pins.get("client")),
         )
-        return dict(json.loads(out.stdout))
+        return out.stdout
+
+    def loadgen(self, spec: dict[str, Any]) -> dict[str, Any]:
+        return dict(json.loads(self.run_client([PY, str(LOADGEN), json.dumps(spec)])))
 
     def latency(self, t: Target) -> dict[str, Any]:
-        body = {"model": "bench", "messages": PROMPT, "max_tokens": 16}
+        body = {"model": "bench", "messages": PROMPT, "max_tokens": FAST_TOKENS}
         warmup = min(200, self.args.requests // 5)
         spec = {"mode": "latency", "url": t.chat_url, "body": body, "n": self.args.requests}
-        return self.loadgen({**spec, "warmup": warmup})
+        with self.window(t, self.up.fast_pid) as w:
+            res = self.loadgen({**spec, "warmup": warmup})
+        return {**res, "sent": self.args.requests + warmup, "cpu": w.result}
 
     def throughput(self, t: Target, wrk: str | None) -> dict[str, Any]:
-        body = {"model": "bench", "messages": PROMPT, "max_tokens": 16}
+        body = {"model": "bench", "messages": PROMPT, "max_tokens": FAST_TOKENS}
         c = self.args.concurrency
         if wrk is None:
             n = max(2000, self.args.requests * 5)
             spec = {"mode": "throughput", "url": t.chat_url, "body": body, "concurrency": c}
-            return {**self.loadgen({**spec, "n": n}), "tool": "aiohttp"}
-        lua = self.procs.tmp / "post.lua"
-        lua.write_text(
-            'wrk.method = "POST"\nwrk.headers["Content-Type"] = "application/json"\n'
-            f"wrk.body = [[{json.dumps(body)}]]\n"
-        )
-        cpus = self.procs.pins.get("client")
-        threads = str(min(4, len(cpus) if cpus else 2))
-        seconds = str(self.args.duration)
-        for secs in ("1", seconds):  # warm-up, then the measured run
-            cmd = [wrk, "-t", threads, "-c", str(c), "-d", f"{secs}s", "-s", str(lua), t.chat_url]
-            out = subprocess.run(
-                cmd,
-                capture_output=True,
-                text=True,
-                check=True,
-                timeout=self.left(),
-                preexec_fn=pinner(cpus),
-            ).stdout
+            with self.window(t, self.up.fast_pid) as w:
+                res = self.loadgen({**spec, "n": n})
+            return {**res, "tool": "aiohttp", "cpu": w.result}
+        out = ""
+        for secs in (1, self.args.duration):  # warm-up, then the measured run
+            with self.window(t, self.up.fast_pid) as w:
+                out = self.run_client(self.wrk_cmd(wrk, t, secs))
         rps = float(re.search(r"Requests/sec:\s+([\d.]+)", out).group(1))  # type: ignore[union-attr]
         bad = re.search(r"Non-2xx or 3xx responses:\s+(\d+)", out)
         sock = re.search(
@@ -340,7 +598,41 @@ class Bench:
         errors = int(bad.group(1)) if bad else 0
         errors += sum(int(x) for x in sock.groups()) if sock else 0
         total = int(re.search(r"(\d+) requests in", out).group(1))  # type: ignore[union-attr]
-        return {"rps": rps, "errors": errors, "requests": total, "tool": "wrk"}
+        return {"rps": rps, "errors": errors, "requests": total, "tool": "wrk", "cpu": w.result}
+
+    def wrk_cmd(self, wrk: str, t: Target, seconds: float) -> list[str]:
+        body = {"model": "bench", "messages": PROMPT, "max_tokens": FAST_TOKENS}
+        lua = self.procs.tmp / "post.lua"
+        lua.write_text(
+            'wrk.method = "POST"\nwrk.headers["Content-Type"] = "application/json"\n'
+            f"wrk.body = [[{json.dumps(body)}]]\n"
+        )
+        cpus = self.procs.pins.get("client")
+        threads = str(min(4, len(cpus) if cpus else 2))
+        c = str(self.args.concurrency)
+        return [wrk, "-t", threads, "-c", c, "-d", f"{seconds:g}s", "-s", str(lua), t.chat_url]
+
+    def profile(self, t: Target, wrk: str, path: Path) -> dict[str, Any]:
+        """py-spy on `t` (raw collapsed stacks into `path`) while wrk loads it."""
+        spy = shutil.which("py-spy") or str(Path(PY).parent / "py-spy")
+        if not os.access(spy, os.X_OK):
+            return {"error": "py-spy not found (`.venv/bin/pip install py-spy`)"}
+        secs = self.args.profile_seconds
+        cmd = [spy, "record", "-p", str(t.pid), "-d", str(secs), "-r", "200", "-f", "raw"]
+        cmd += ["--nonblocking", "--function", "-o", str(path)]
+        spy_proc = subprocess.Popen(
+            cmd,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            preexec_fn=pinner(self.procs.pins.get("client")),
+        )
+        time.sleep(1)  # py-spy attaches
+        out = self.run_client(self.wrk_cmd(wrk, t, secs + 1))
+        log = spy_proc.communicate(timeout=self.left())[0].decode(errors="replace")
+        rps = re.search(r"Requests/sec:\s+([\d.]+)", out)
+        if spy_proc.returncode or not path.exists():
+            return {"error": f"py-spy failed ({spy_proc.returncode}): {log[-1000:]}"}
+        return {"path": str(path), "rps": float(rps.group(1)) if rps else None, "log": log[-300:]}
 
     def llama(self, t: Target) -> dict[str, Any]:
         body = {"model": "bench-llama", "messages": PROMPT, "max_tokens": LLAMA_MAX_TOKENS}
@@ -350,18 +642,44 @@ class Bench:
 
     def streams(self, t: Target) -> dict[str, Any]:
         body = {"model": "bench-stream", "messages": PROMPT, "stream": True}
-        spec = {"mode": "streams", "url": t.stream_url, "body": body, "tokens": STREAM_TOKENS}
-        c = self.args.streams
-        return self.loadgen({**spec, "concurrency": c, "n": c * 3})
+        c, rounds = self.args.streams, self.args.rounds
+        # Bounded: 10x what the streams take at the upstream, at least 30 s.
+        budget = min(
+            self.left() - 1, max(30.0, 10 * rounds * STREAM_TOKENS * self.args.token_delay)
+        )
+        with self.window(t, self.up.stream_pid, rss=True) as w:
+            if self.up.client is not None:
+                body_file = self.procs.tmp / "stream-body.json"
+                body_file.write_text(json.dumps(body))
+                u = urlsplit(t.stream_url)
+                cmd = [str(self.up.client), str(u.hostname), str(u.port), u.path, str(body_file)]
+                cmd += [str(c), str(rounds), str(STREAM_TOKENS), f"{budget:.0f}"]
+                res = dict(json.loads(self.run_client(cmd)))
+                res["tool"] = "C"
+            else:
+                spec = {"mode": "streams", "url": t.stream_url, "body": body}
+                spec |= {"tokens": STREAM_TOKENS, "concurrency": c, "n": c * rounds}
+                res = {**self.loadgen(spec), "tool": "aiohttp"}
+        return {**res, "cpu": w.result}
 
 
-def rss_mb(pid: int | None, key: str) -> float | None:
-    try:
-        status = Path(f"/proc/{pid}/status").read_text()
-    except (OSError, TypeError):
-        return None
-    m = re.search(rf"^{key}:\s+(\d+) kB", status, re.M)
-    return int(m.group(1)) / 1024 if m else None
+def top_frames(raw: Path, n: int = 15) -> tuple[list[tuple[str, int, int]], int]:
+    """py-spy's raw (collapsed) stacks: the `n` frames with the most own samples, each with
+    its own and total (inclusive) samples; and the sample count."""
+    own: Counter[str] = Counter()
+    total: Counter[str] = Counter()
+    samples = 0
+    for line in raw.read_text(errors="replace").splitlines():
+        stack, _, count = line.rpartition(" ")
+        if not stack or not count.isdigit():
+            continue
+        k = int(count)
+        samples += k
+        frames = stack.split(";")
+        own[frames[-1]] += k
+        for f in set(frames):
+            total[f] += k
+    return [(f, k, total[f]) for f, k in own.most_common(n)], samples
 
 
 # --- report ---------------------------------------------------------------------------------
@@ -388,22 +706,73 @@ def _latency_table(title: str, res: dict[str, dict[str, Any]], phase: str) -> li
     out = [
         f"### {title}",
         "",
-        "| path | p50 ms | p99 ms | mean ms | added p50 ms | added p99 ms | errors |",
-        "|---|---:|---:|---:|---:|---:|---:|",
+        "| path | p50 ms | p99 ms | mean ms | added p50 ms | added p99 ms | errors "
+        "| proxy CPU µs/request |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     base = res.get("direct", {}).get(phase)
     for n, r in rows.items():
         added = [_minus(r, base, k) for k in ("p50", "p99")]
+        cpu = r.get("cpu", {}).get("proxy_cpu_s")
+        per = cpu / r["sent"] * 1e6 if cpu is not None and r.get("sent") else None
         out.append(
             f"| {n} | {_f(r['p50'], 3)} | {_f(r['p99'], 3)} | {_f(r['mean'], 3)} "
-            f"| {_f(added[0], 3)} | {_f(added[1], 3)} | {r['errors']} |"
+            f"| {_f(added[0], 3)} | {_f(added[1], 3)} | {r['errors']} | {_f(per, 0)} |"
         )
     return [*out, ""]
 
 
-def report(res: dict[str, dict[str, Any]], notes: list[str], args: argparse.Namespace) -> str:
+def chunks(r: dict[str, Any]) -> int | None:
+    """Events the client received in a streams run (every `data:` line)."""
+    return r.get("events")
+
+
+def us_per_chunk(r: dict[str, Any], key: str = "proxy_cpu_s") -> float | None:
+    cpu, n = r["cpu"].get(key), chunks(r)
+    return cpu / n * 1e6 if cpu is not None and n else None
+
+
+def _cpu_table(res: dict[str, dict[str, Any]], sets: dict[str, set[int]]) -> list[str]:
+    label = {"proxy": "proxy", "client": "load gen + upstreams", "backend": "upstreams"}
+    if "backend" in sets:
+        label["client"] = "load gen"
+    out = [
+        "### Where the CPU went (CPU seconds ÷ wall seconds of each measured load)",
+        "",
+        "| phase | path | wall s | proxy % | upstream % | load generator % | "
+        + " | ".join(
+            f"CPU {','.join(map(str, sorted(ids)))} ({label.get(s, s)}) busy %"
+            for s, ids in sets.items()
+        )
+        + " |",
+        "|---|---|---:|---:|---:|---:|" + "---:|" * len(sets),
+    ]
+    for phase in ("throughput", "streams"):  # at c=1 one request is in flight: no queue
+        for n, r in res.items():
+            c = r.get(phase, {}).get("cpu")
+            if not c:
+                continue
+            pct = [
+                None if c[k] is None else 100 * c[k] / c["wall_s"]
+                for k in ("proxy_cpu_s", "upstream_cpu_s", "client_cpu_s")
+            ]
+            busy = " | ".join(_f(c.get(f"busy_{s}"), 0) for s in sets)
+            out.append(
+                f"| {phase} | {n} | {_f(c['wall_s'], 1)} | {_f(pct[0], 0)} | {_f(pct[1], 0)} "
+                f"| {_f(pct[2], 0)} | {busy} |"
+            )
+    return [*out, ""]
+
+
+def report(
+    res: dict[str, dict[str, Any]],
+    notes: list[str],
+    args: argparse.Namespace,
+    sets: dict[str, set[int]] | None = None,
+) -> str:
     base = res.get("direct", {})
     out = []
+    out += _summary_table(res, args)
     out += _latency_table(
         f"Non-streaming chat completion, concurrency 1 ({args.requests} requests)", res, "latency"
     )
@@ -411,25 +780,31 @@ def report(res: dict[str, dict[str, Any]], notes: list[str], args: argparse.Name
     if thr:
         tool = next(iter(thr.values()))["tool"]
         out += [
-            f"### Throughput, concurrency {args.concurrency} ({tool})",
+            f"### Throughput, concurrency {args.concurrency} ({tool}, {args.duration} s)",
             "",
-            "| path | req/s | x direct | requests | errors |",
-            "|---|---:|---:|---:|---:|",
+            "| path | req/s | x direct | x nginx | requests | errors |",
+            "|---|---:|---:|---:|---:|---:|",
         ]
-        b = base.get("throughput")
+        b, ng = base.get("throughput"), res.get("nginx", {}).get("throughput")
         for n, r in thr.items():
             ratio = r["rps"] / b["rps"] if b else None
-            out.append(f"| {n} | {r['rps']:.0f} | {_f(ratio)} | {r['requests']} | {r['errors']} |")
+            vs_nginx = r["rps"] / ng["rps"] if ng else None
+            out.append(
+                f"| {n} | {r['rps']:.0f} | {_f(ratio)} | {_f(vs_nginx)} | {r['requests']} "
+                f"| {r['errors']} |"
+            )
         out.append("")
     st = {n: r["streams"] for n, r in res.items() if "streams" in r}
     if st:
         out += [
-            f"### Streaming: {args.streams} concurrent streams x {STREAM_TOKENS} tokens, "
-            f"{args.token_delay * 1000:g} ms apart at the backend",
+            f"### Streaming: {args.streams} concurrent streams x {args.rounds} rounds x "
+            f"{STREAM_TOKENS} tokens, {args.token_delay * 1000:g} ms apart at the upstream "
+            f"({next(iter(st.values())).get('tool', 'aiohttp')} client)",
             "",
             "| path | TTFT p50 ms | TTFT p99 ms | added TTFT p50 ms | inter-chunk p50 ms "
-            "| inter-chunk p99 ms | added p50 ms | added p99 ms | streams | errors |",
-            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+            "| inter-chunk p99 ms | added p50 ms | added p99 ms | streams | errors "
+            "| chunks | CPU µs/chunk | RSS peak MB |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
         ]
         b = base.get("streams")
         for n, r in st.items():
@@ -437,16 +812,62 @@ def report(res: dict[str, dict[str, Any]], notes: list[str], args: argparse.Name
             out.append(
                 f"| {n} | {_f(r['ttft_p50'])} | {_f(r['ttft_p99'])} | {_f(d['ttft_p50'])} "
                 f"| {_f(r['gap_p50'], 3)} | {_f(r['gap_p99'], 3)} | {_f(d['gap_p50'], 3)} "
-                f"| {_f(d['gap_p99'], 3)} | {r['streams']} | {r['errors']} |"
+                f"| {_f(d['gap_p99'], 3)} | {r['streams']} | {r['errors']} "
+                f"| {chunks(r) if chunks(r) is not None else '-'} | {_f(us_per_chunk(r), 1)} "
+                f"| {_f(r['cpu'].get('rss_mb'), 1)} |"
             )
         out.append("")
+    if sets:
+        out += _cpu_table(res, sets)
     out += _latency_table(
         f"Real backend: llama-server, tiny model, max_tokens {LLAMA_MAX_TOKENS}, concurrency 1",
         res,
         "llama",
     )
+    prof = res.get("corrallm", {}).get("profile")
+    if prof and "path" in prof:
+        frames, samples = top_frames(Path(prof["path"]))
+        out += [
+            f"### py-spy: corrallm under wrk -c {args.concurrency}, "
+            f"{args.profile_seconds} s ({samples} samples of non-idle threads, "
+            f"{_f(prof.get('rps'), 0)} req/s meanwhile)",
+            "",
+            "| own % | total % | frame |",
+            "|---:|---:|---|",
+        ]
+        for frame, own, total in frames:
+            out.append(f"| {100 * own / samples:.1f} | {100 * total / samples:.1f} | `{frame}` |")
+        out.append("")
+    elif prof:
+        notes.append(f"profile: {prof['error']}")
     out += [f"- {n}" for n in notes]
     return "\n".join(out)
+
+
+def _summary_table(res: dict[str, dict[str, Any]], args: argparse.Namespace) -> list[str]:
+    """One row per path: what SPEC §13 asks about."""
+    base = res.get("direct", {})
+    out = [
+        "### Summary",
+        "",
+        f"| path | req/s c={args.concurrency} | x direct | added p50 ms c=1 | added p99 ms c=1 "
+        f"| streams: added gap p50 ms | added gap p99 ms | CPU µs/chunk | RSS peak MB |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for n, r in res.items():
+        thr, lat, st = r.get("throughput"), r.get("latency"), r.get("streams")
+        bt, bl, bs = base.get("throughput"), base.get("latency"), base.get("streams")
+        rps = thr["rps"] if thr else None
+        ratio = rps / bt["rps"] if rps is not None and bt else None
+        la = [_minus(lat, bl, k) if lat else None for k in ("p50", "p99")]
+        sa = [_minus(st, bs, k) if st else None for k in ("gap_p50", "gap_p99")]
+        per = us_per_chunk(st) if st else None
+        rss = st["cpu"].get("rss_mb") if st else None
+        out.append(
+            f"| {n} | {_f(rps, 0)} | {_f(ratio)} | {_f(la[0], 3)} | {_f(la[1], 3)} "
+            f"| {_f(sa[0], 3)} | {_f(sa[1], 3)} | {_f(per, 1)} | {_f(rss, 1)} |"
+        )
+    return [*out, ""]
 
 
 # --- main -----------------------------------------------------------------------------------
@@ -456,16 +877,19 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--requests", type=int, help="requests in the concurrency-1 run (2000)")
     p.add_argument(
-        "--quick", action="store_true", help="a short run (300 requests, 2 s, 8 streams)"
+        "--quick",
+        action="store_true",
+        help="a short run (300 requests, 2 s, 100 streams x 1 round)",
     )
     p.add_argument("--concurrency", type=int, default=64, help="connections, throughput run")
     p.add_argument("--duration", type=int, help="seconds of the wrk throughput run (5)")
-    p.add_argument("--streams", type=int, help="concurrent streams (32)")
+    p.add_argument("--streams", type=int, help="concurrent streams (1000)")
+    p.add_argument("--rounds", type=int, help="streams each connection runs in turn (3)")
     p.add_argument(
         "--token-delay",
         type=float,
-        default=0.001,
-        help="seconds between streamed tokens at the backend (0.001; 0.025 is a 40 tok/s LLM)",
+        default=0.025,
+        help="seconds between streamed tokens at the upstream (0.025: a 40 tokens/s LLM)",
     )
     p.add_argument("--max-seconds", type=float, default=600, help="wall-clock cap of the run")
     p.add_argument(
@@ -474,33 +898,52 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         help="paths and the llama-server row",
     )
     p.add_argument("--no-pin", action="store_true", help="do not pin processes to CPUs")
+    p.add_argument(
+        "--profile",
+        type=Path,
+        help="also record corrallm under wrk with py-spy (raw collapsed stacks) into this file",
+    )
+    p.add_argument("--profile-seconds", type=int, default=10, help="length of the profile (10)")
     p.add_argument("--json", action="store_true", help="also print the results as JSON")
     args = p.parse_args(argv)
     q = args.quick
     args.requests = args.requests or (300 if q else 2000)
     args.duration = args.duration or (2 if q else 5)
-    args.streams = args.streams or (8 if q else 32)
+    args.streams = args.streams or (100 if q else 1000)
+    args.rounds = args.rounds or (1 if q else 3)
     return args
 
 
-def run(args: argparse.Namespace, tmp: Path) -> tuple[dict[str, dict[str, Any]], list[str]]:
+def raise_fd_limit() -> None:
+    """1,000 streams hold 2,000+ sockets in a proxy: children inherit the raised limit."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = hard if hard != resource.RLIM_INFINITY else 65536
+    if soft < want:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+
+
+def run(
+    args: argparse.Namespace, tmp: Path
+) -> tuple[dict[str, dict[str, Any]], list[str], dict[str, set[int]]]:
     pins = {} if args.no_pin else cpu_plan()
+    raise_fd_limit()
+    if pins:
+        os.sched_setaffinity(0, pins["client"])  # this script stays off the proxy's CPU
     procs = Procs(tmp, pins)
+    plan = (
+        "; ".join(f"{role} on CPU {','.join(map(str, sorted(c)))}" for role, c in pins.items())
+        if pins
+        else "no CPU pinning"
+    )
     notes = [
-        f"{os.cpu_count()} CPUs; "
-        + (f"pinned {pins}" if pins else "no CPU pinning")
-        + f"; Python {sys.version.split()[0]}; load generator in its own process"
+        f"{os.cpu_count()} CPUs; {plan}; Python {sys.version.split()[0]}; "
+        "load generators in their own processes"
     ]
     wanted = set(args.only.split(","))
     try:
-        fast_port, stream_port = free_port(), free_port()
-        fake = [PY, "-m", "corrallm", "fake-backend"]
-        fast = procs.start("fast", [*fake, "--port", str(fast_port), "--fast"], "backend")
-        stream_cmd = [*fake, "--port", str(stream_port), "--model-name", "bench-stream"]
-        stream_cmd += ["--tokens", str(STREAM_TOKENS), "--token-delay", str(args.token_delay)]
-        slow = procs.start("stream", stream_cmd, "backend")
-        procs.wait_healthy("fast", fast, f"http://127.0.0.1:{fast_port}/health")
-        procs.wait_healthy("stream", slow, f"http://127.0.0.1:{stream_port}/health")
+        up = start_upstreams(procs, args, notes)
+        notes.append(f"upstreams: non-streaming {up.fast_kind}; streaming {up.stream_kind}")
+        fast_port, stream_port = up.fast_port, up.stream_port
         path = "/v1/chat/completions"
         llama_port = None
         llama = (
@@ -551,10 +994,10 @@ def run(args: argparse.Namespace, tmp: Path) -> tuple[dict[str, dict[str, Any]],
         if wrk is None:
             notes.append("wrk not found (`apt-get install -y wrk`): throughput from aiohttp")
         res: dict[str, dict[str, Any]] = {t.name: {} for t in targets}
-        bench = Bench(args, procs, time.monotonic() + args.max_seconds)
+        bench = Bench(args, procs, up, time.monotonic() + args.max_seconds)
         for t in targets:
             if t.pid:
-                res[t.name]["rss_idle_mb"] = rss_mb(t.pid, "VmRSS")
+                res[t.name]["rss_idle_mb"] = session_usage(t.pid)[1]
         try:
             for phase in ("latency", "throughput", "streams", "llama"):
                 for t in targets:
@@ -563,6 +1006,9 @@ def run(args: argparse.Namespace, tmp: Path) -> tuple[dict[str, dict[str, Any]],
                     print(f"... {phase}: {t.name}", file=sys.stderr, flush=True)
                     if phase == "throughput":
                         res[t.name][phase] = bench.throughput(t, wrk)
+                        if t.name == "corrallm" and args.profile and wrk:
+                            print("... profile: corrallm", file=sys.stderr, flush=True)
+                            res[t.name]["profile"] = bench.profile(t, wrk, args.profile)
                     else:
                         res[t.name][phase] = getattr(bench, phase)(t)
         except OutOfTime:
@@ -571,14 +1017,33 @@ def run(args: argparse.Namespace, tmp: Path) -> tuple[dict[str, dict[str, Any]],
         if ours and theirs and theirs["rps"]:
             ratio = ours["rps"] / theirs["rps"]
             notes.append(f"corrallm throughput = {ratio:.1f}x LiteLLM's (SPEC §13: at least 5x)")
+        ng = res.get("nginx", {}).get("throughput")
+        if ours and ng and ng["rps"]:
+            share = 100 * ours["rps"] / ng["rps"]
+            notes.append(
+                f"corrallm throughput = {share:.0f} % of nginx's (SPEC §13: at least 25 %)"
+            )
         for t in targets:
             if t.pid:
-                res[t.name]["rss_peak_mb"] = rss_mb(t.pid, "VmHWM")
-                idle, peak = res[t.name]["rss_idle_mb"], res[t.name]["rss_peak_mb"]
-                notes.append(f"{t.name} RSS: idle {_f(idle, 1)} MB, peak {_f(peak, 1)} MB")
-        return res, notes
+                idle = res[t.name]["rss_idle_mb"]
+                peak = rss_peak_mb(t.pid)
+                res[t.name]["rss_hwm_mb"] = peak
+                notes.append(
+                    f"{t.name} RSS (all its processes): idle {_f(idle, 1)} MB at start; "
+                    f"main process VmHWM {_f(peak, 1)} MB after the run"
+                )
+        return res, notes, bench.cpu_sets()
     finally:
         procs.close()
+
+
+def rss_peak_mb(pid: int) -> float | None:
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return None
+    m = re.search(r"^VmHWM:\s+(\d+) kB", status, re.M)
+    return int(m.group(1)) / 1024 if m else None
 
 
 def main(argv: list[str]) -> int:
@@ -590,11 +1055,11 @@ def main(argv: list[str]) -> int:
     signal.signal(signal.SIGTERM, stop)
     with tempfile.TemporaryDirectory(prefix="corrallm-bench-") as tmp:
         try:
-            res, notes = run(args, Path(tmp))
+            res, notes, sets = run(args, Path(tmp))
         except subprocess.CalledProcessError as exc:
             print(f"a load run failed: {exc}\n{exc.stderr}", file=sys.stderr)
             return 1
-    print(report(res, notes, args))
+    print(report(res, notes, args, sets))
     if args.json:
         print(json.dumps({"results": res, "notes": notes}, indent=2))
     return 0

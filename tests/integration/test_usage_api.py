@@ -148,6 +148,7 @@ async def test_C3_activity_rows_newest_first_with_json_booleans_and_rfc3339(api)
         "spilled": False,
         "preempted": False,
         "error": None,
+        "request_id": None,
     }
     assert rows[0]["error"] == "backend_error: connection refused" and rows[2]["kind"] == "load"
     only = (await api.get(f"/api/v1/activity?{DAY}&key=alice&limit=1")).json()["rows"]
