@@ -3,7 +3,8 @@
     python bench/loadgen.py '{"mode": "latency", "url": ..., "body": {...}, "n": 2000, ...}'
 
 aiohttp with keep-alive, one connection per worker. Prints one JSON object: summaries in
-milliseconds (percentiles are nearest-rank), request counts and errors.
+milliseconds (percentiles are nearest-rank), request counts and errors; `"raw": true` in
+a latency spec adds every request's time (`times_ms`), for merging runs.
 """
 
 from __future__ import annotations
@@ -56,7 +57,8 @@ async def latency(spec: dict[str, Any]) -> dict[str, Any]:
             status = await post(s, spec["url"], data)
             times.append(time.perf_counter() - t0)
             errors += status != 200
-    return {**summary(times), "requests": len(times), "errors": errors}
+    raw = {"times_ms": [x * 1000 for x in times]} if spec.get("raw") else {}
+    return {**summary(times), "requests": len(times), "errors": errors, **raw}
 
 
 async def throughput(spec: dict[str, Any]) -> dict[str, Any]:

@@ -534,8 +534,13 @@ class OutOfTime(Exception):
 class Bench:
     args: argparse.Namespace
     procs: Procs
-    up: Upstreams
     deadline: float
+    up: Upstreams | None = None  # latency, throughput and streams need it; loadgen() not
+
+    @property
+    def ups(self) -> Upstreams:
+        assert self.up is not None, "Bench(..., up=start_upstreams(...)) for this phase"
+        return self.up
 
     def left(self) -> float:
         left = self.deadline - time.monotonic()
@@ -569,27 +574,27 @@ class Bench:
     def loadgen(self, spec: dict[str, Any]) -> dict[str, Any]:
         return dict(json.loads(self.run_client([PY, str(LOADGEN), json.dumps(spec)])))
 
-    def latency(self, t: Target) -> dict[str, Any]:
+    def latency(self, t: Target, n: int, warmup: int) -> dict[str, Any]:
+        """One block of `n` sequential requests (after `warmup` untimed ones)."""
         body = {"model": "bench", "messages": PROMPT, "max_tokens": FAST_TOKENS}
-        warmup = min(200, self.args.requests // 5)
-        spec = {"mode": "latency", "url": t.chat_url, "body": body, "n": self.args.requests}
-        with self.window(t, self.up.fast_pid) as w:
+        spec = {"mode": "latency", "url": t.chat_url, "body": body, "n": n, "raw": True}
+        with self.window(t, self.ups.fast_pid) as w:
             res = self.loadgen({**spec, "warmup": warmup})
-        return {**res, "sent": self.args.requests + warmup, "cpu": w.result}
+        return {**res, "sent": n + warmup, "cpu": w.result}
 
     def throughput(self, t: Target, wrk: str | None) -> dict[str, Any]:
+        """One measured run at concurrency --concurrency (wrk after a 1 s warm-up)."""
         body = {"model": "bench", "messages": PROMPT, "max_tokens": FAST_TOKENS}
         c = self.args.concurrency
         if wrk is None:
-            n = max(2000, self.args.requests * 5)
+            n = max(2000, self.args.requests * 5) // self.args.repeats
             spec = {"mode": "throughput", "url": t.chat_url, "body": body, "concurrency": c}
-            with self.window(t, self.up.fast_pid) as w:
+            with self.window(t, self.ups.fast_pid) as w:
                 res = self.loadgen({**spec, "n": n})
             return {**res, "tool": "aiohttp", "cpu": w.result}
-        out = ""
-        for secs in (1, self.args.duration):  # warm-up, then the measured run
-            with self.window(t, self.up.fast_pid) as w:
-                out = self.run_client(self.wrk_cmd(wrk, t, secs))
+        self.run_client(self.wrk_cmd(wrk, t, 1))  # warm-up
+        with self.window(t, self.ups.fast_pid) as w:
+            out = self.run_client(self.wrk_cmd(wrk, t, self.args.duration))
         rps = float(re.search(r"Requests/sec:\s+([\d.]+)", out).group(1))  # type: ignore[union-attr]
         bad = re.search(r"Non-2xx or 3xx responses:\s+(\d+)", out)
         sock = re.search(
@@ -642,22 +647,23 @@ class Bench:
 
     def streams(self, t: Target) -> dict[str, Any]:
         body = {"model": "bench-stream", "messages": PROMPT, "stream": True}
-        c, rounds = self.args.streams, self.args.rounds
+        c, rounds, delay = self.args.streams, self.args.rounds, self.args.token_delay
         # Bounded: 10x what the streams take at the upstream, at least 30 s.
         budget = min(
             self.left() - 1, max(30.0, 10 * rounds * STREAM_TOKENS * self.args.token_delay)
         )
-        with self.window(t, self.up.stream_pid, rss=True) as w:
-            if self.up.client is not None:
+        with self.window(t, self.ups.stream_pid, rss=True) as w:
+            if self.ups.client is not None:
                 body_file = self.procs.tmp / "stream-body.json"
                 body_file.write_text(json.dumps(body))
                 u = urlsplit(t.stream_url)
-                cmd = [str(self.up.client), str(u.hostname), str(u.port), u.path, str(body_file)]
+                cmd = [str(self.ups.client), str(u.hostname), str(u.port), u.path, str(body_file)]
                 cmd += [str(c), str(rounds), str(STREAM_TOKENS), f"{budget:.0f}"]
+                cmd.append(str(self.args.ramp if self.args.ramp is not None else delay))
                 res = dict(json.loads(self.run_client(cmd)))
                 res["tool"] = "C"
             else:
-                spec = {"mode": "streams", "url": t.stream_url, "body": body}
+                spec: dict[str, Any] = {"mode": "streams", "url": t.stream_url, "body": body}
                 spec |= {"tokens": STREAM_TOKENS, "concurrency": c, "n": c * rounds}
                 res = {**self.loadgen(spec), "tool": "aiohttp"}
         return {**res, "cpu": w.result}
@@ -680,6 +686,64 @@ def top_frames(raw: Path, n: int = 15) -> tuple[list[tuple[str, int, int]], int]
         for f in set(frames):
             total[f] += k
     return [(f, k, total[f]) for f, k in own.most_common(n)], samples
+
+
+def pct(values: list[float], p: float) -> float | None:
+    """Nearest-rank percentile (as bench/loadgen.py)."""
+    if not values:
+        return None
+    s = sorted(values)
+    return s[min(len(s) - 1, max(0, round(p / 100 * len(s) + 0.5) - 1))]
+
+
+def merge_latency(parts: list[dict[str, Any]]) -> dict[str, Any]:
+    """The latency blocks of one path as one run: percentiles over all their requests."""
+    times = [x for p in parts for x in p.pop("times_ms")]
+    cpu = [p["cpu"]["proxy_cpu_s"] for p in parts]
+    return {
+        "p50": pct(times, 50),
+        "p99": pct(times, 99),
+        "mean": sum(times) / len(times) if times else None,
+        "requests": len(times),
+        "errors": sum(p["errors"] for p in parts),
+        "sent": sum(p["sent"] for p in parts),
+        "blocks": [{k: p[k] for k in ("p50", "p99", "mean")} for p in parts],
+        "cpu": {"proxy_cpu_s": None if None in cpu else sum(cpu)},
+    }
+
+
+def median_run(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """The run with the median req/s (its CPU accounting with it), and every run's req/s."""
+    runs = sorted(runs, key=lambda r: r["rps"])
+    return {**runs[len(runs) // 2], "rps_runs": [r["rps"] for r in runs]}
+
+
+def merge_streams(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Several streams runs of one path: the median of each percentile across the runs,
+    counts and CPU summed (so CPU per chunk is pooled), the largest RSS."""
+    out: dict[str, Any] = {}
+    for key in runs[0]:
+        values = [r[key] for r in runs if isinstance(r.get(key), (int, float))]
+        if key.startswith(("ttft_", "gap_")) and len(values) == len(runs):
+            out[key] = sorted(values)[len(values) // 2]
+            out[f"{key}_runs"] = values
+    for key in ("streams", "errors", "events", "tokens"):
+        out[key] = sum(r.get(key) or 0 for r in runs)
+    out["tool"], out["runs"] = runs[0].get("tool"), len(runs)
+    cpus = [r["cpu"] for r in runs]
+    wall = sum(c["wall_s"] for c in cpus)
+    cpu: dict[str, Any] = {"wall_s": wall}
+    for key in ("proxy_cpu_s", "upstream_cpu_s", "client_cpu_s"):
+        vals = [c[key] for c in cpus]
+        cpu[key] = None if None in vals else sum(vals)
+    rss = [c["rss_mb"] for c in cpus if c.get("rss_mb") is not None]
+    cpu["rss_mb"] = max(rss) if rss else None
+    for key in cpus[0]:
+        if key.startswith("busy_"):
+            vals = [(c[key], c["wall_s"]) for c in cpus if c.get(key) is not None]
+            cpu[key] = sum(v * w for v, w in vals) / sum(w for _, w in vals) if vals else None
+    out["cpu"] = cpu
+    return out
 
 
 # --- report ---------------------------------------------------------------------------------
@@ -706,9 +770,9 @@ def _latency_table(title: str, res: dict[str, dict[str, Any]], phase: str) -> li
     out = [
         f"### {title}",
         "",
-        "| path | p50 ms | p99 ms | mean ms | added p50 ms | added p99 ms | errors "
-        "| proxy CPU µs/request |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|",
+        "| path | p50 ms | p99 ms | mean ms | added p50 ms | added p99 ms "
+        "| blocks: p99 min..max ms | errors | proxy CPU µs/request |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     base = res.get("direct", {}).get(phase)
     for n, r in rows.items():
@@ -717,9 +781,15 @@ def _latency_table(title: str, res: dict[str, dict[str, Any]], phase: str) -> li
         per = cpu / r["sent"] * 1e6 if cpu is not None and r.get("sent") else None
         out.append(
             f"| {n} | {_f(r['p50'], 3)} | {_f(r['p99'], 3)} | {_f(r['mean'], 3)} "
-            f"| {_f(added[0], 3)} | {_f(added[1], 3)} | {r['errors']} | {_f(per, 0)} |"
+            f"| {_f(added[0], 3)} | {_f(added[1], 3)} "
+            f"| {_span([b['p99'] for b in r.get('blocks', ())], 2)} | {r['errors']} "
+            f"| {_f(per, 0)} |"
         )
     return [*out, ""]
+
+
+def _span(values: list[float] | None, digits: int = 1) -> str:
+    return f"{min(values):.{digits}f}..{max(values):.{digits}f}" if values else "-"
 
 
 def chunks(r: dict[str, Any]) -> int | None:
@@ -774,37 +844,44 @@ def report(
     out = []
     out += _summary_table(res, args)
     out += _latency_table(
-        f"Non-streaming chat completion, concurrency 1 ({args.requests} requests)", res, "latency"
+        f"Non-streaming chat completion, concurrency 1 ({args.requests} requests in "
+        f"{args.repeats} interleaved blocks)",
+        res,
+        "latency",
     )
     thr = {n: r["throughput"] for n, r in res.items() if "throughput" in r}
     if thr:
         tool = next(iter(thr.values()))["tool"]
         out += [
-            f"### Throughput, concurrency {args.concurrency} ({tool}, {args.duration} s)",
+            f"### Throughput, concurrency {args.concurrency} ({tool}: {args.repeats} interleaved "
+            f"runs of {args.duration} s, each after a 1 s warm-up; the median run)",
             "",
-            "| path | req/s | x direct | x nginx | requests | errors |",
-            "|---|---:|---:|---:|---:|---:|",
+            "| path | req/s (median) | x direct | x nginx | runs: min..max req/s | requests "
+            "| errors |",
+            "|---|---:|---:|---:|---:|---:|---:|",
         ]
         b, ng = base.get("throughput"), res.get("nginx", {}).get("throughput")
         for n, r in thr.items():
             ratio = r["rps"] / b["rps"] if b else None
             vs_nginx = r["rps"] / ng["rps"] if ng else None
+            spread = r.get("rps_runs") or [r["rps"]]
             out.append(
-                f"| {n} | {r['rps']:.0f} | {_f(ratio)} | {_f(vs_nginx)} | {r['requests']} "
-                f"| {r['errors']} |"
+                f"| {n} | {r['rps']:.0f} | {_f(ratio)} | {_f(vs_nginx)} "
+                f"| {min(spread):.0f}..{max(spread):.0f} | {r['requests']} | {r['errors']} |"
             )
         out.append("")
     st = {n: r["streams"] for n, r in res.items() if "streams" in r}
     if st:
         out += [
-            f"### Streaming: {args.streams} concurrent streams x {args.rounds} rounds x "
-            f"{STREAM_TOKENS} tokens, {args.token_delay * 1000:g} ms apart at the upstream "
-            f"({next(iter(st.values())).get('tool', 'aiohttp')} client)",
+            f"### Streaming: {args.streams} concurrent streams x {args.rounds} in turn per "
+            f"connection x {STREAM_TOKENS} tokens, {args.token_delay * 1000:g} ms apart at the "
+            f"upstream ({next(iter(st.values())).get('tool', 'aiohttp')} client; "
+            f"{args.repeats} interleaved runs: percentiles are the runs' median, CPU pooled)",
             "",
             "| path | TTFT p50 ms | TTFT p99 ms | added TTFT p50 ms | inter-chunk p50 ms "
-            "| inter-chunk p99 ms | added p50 ms | added p99 ms | streams | errors "
-            "| chunks | CPU µs/chunk | RSS peak MB |",
-            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+            "| inter-chunk p99 ms | added p50 ms | added p99 ms | runs: p99 min..max ms "
+            "| streams | errors | chunks | CPU µs/chunk | RSS peak MB |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
         ]
         b = base.get("streams")
         for n, r in st.items():
@@ -812,7 +889,8 @@ def report(
             out.append(
                 f"| {n} | {_f(r['ttft_p50'])} | {_f(r['ttft_p99'])} | {_f(d['ttft_p50'])} "
                 f"| {_f(r['gap_p50'], 3)} | {_f(r['gap_p99'], 3)} | {_f(d['gap_p50'], 3)} "
-                f"| {_f(d['gap_p99'], 3)} | {r['streams']} | {r['errors']} "
+                f"| {_f(d['gap_p99'], 3)} | {_span(r.get('gap_p99_runs'))} "
+                f"| {r['streams']} | {r['errors']} "
                 f"| {chunks(r) if chunks(r) is not None else '-'} | {_f(us_per_chunk(r), 1)} "
                 f"| {_f(r['cpu'].get('rss_mb'), 1)} |"
             )
@@ -879,10 +957,15 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument(
         "--quick",
         action="store_true",
-        help="a short run (300 requests, 2 s, 100 streams x 1 round)",
+        help="a short run (300 requests, 1 x 2 s of wrk, 100 streams x 1 round)",
     )
     p.add_argument("--concurrency", type=int, default=64, help="connections, throughput run")
     p.add_argument("--duration", type=int, help="seconds of the wrk throughput run (5)")
+    p.add_argument(
+        "--repeats",
+        type=int,
+        help="interleaved rounds of latency, wrk and streams per path (3); medians kept",
+    )
     p.add_argument("--streams", type=int, help="concurrent streams (1000)")
     p.add_argument("--rounds", type=int, help="streams each connection runs in turn (3)")
     p.add_argument(
@@ -890,6 +973,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         type=float,
         default=0.025,
         help="seconds between streamed tokens at the upstream (0.025: a 40 tokens/s LLM)",
+    )
+    p.add_argument(
+        "--ramp",
+        type=float,
+        help="seconds over which the first streams start, evenly (default: one token delay)",
     )
     p.add_argument("--max-seconds", type=float, default=600, help="wall-clock cap of the run")
     p.add_argument(
@@ -911,6 +999,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     args.duration = args.duration or (2 if q else 5)
     args.streams = args.streams or (100 if q else 1000)
     args.rounds = args.rounds or (1 if q else 3)
+    args.repeats = args.repeats or (1 if q else 3)
     return args
 
 
@@ -994,25 +1083,56 @@ def run(
         if wrk is None:
             notes.append("wrk not found (`apt-get install -y wrk`): throughput from aiohttp")
         res: dict[str, dict[str, Any]] = {t.name: {} for t in targets}
-        bench = Bench(args, procs, up, time.monotonic() + args.max_seconds)
+        bench = Bench(args, procs, time.monotonic() + args.max_seconds, up)
         for t in targets:
             if t.pid:
                 res[t.name]["rss_idle_mb"] = session_usage(t.pid)[1]
+        # --repeats rounds, the paths interleaved within each, so that a slow spell of the
+        # machine (a VM's neighbours) falls on every path alike: per path a block of the
+        # latency requests, a wrk run and a streams run. Only the path being measured runs:
+        # the other proxies are stopped (SIGSTOP), so that one still busy (LiteLLM settling
+        # after its start, a store flushing) takes no CPU from it.
+        parts: dict[str, list[dict[str, Any]]] = {t.name: [] for t in targets}
+        runs: dict[str, list[dict[str, Any]]] = {t.name: [] for t in targets}
+        streams: dict[str, list[dict[str, Any]]] = {t.name: [] for t in targets}
+        block = -(-args.requests // args.repeats)
         try:
-            for phase in ("latency", "throughput", "streams", "llama"):
+            for rep in range(args.repeats):
                 for t in targets:
-                    if phase == "llama" and t.llama_url is None:
-                        continue
-                    print(f"... {phase}: {t.name}", file=sys.stderr, flush=True)
-                    if phase == "throughput":
-                        res[t.name][phase] = bench.throughput(t, wrk)
-                        if t.name == "corrallm" and args.profile and wrk:
-                            print("... profile: corrallm", file=sys.stderr, flush=True)
-                            res[t.name]["profile"] = bench.profile(t, wrk, args.profile)
-                    else:
-                        res[t.name][phase] = getattr(bench, phase)(t)
+                    hold(targets, t)
+                    print(f"... round {rep + 1}: {t.name}", file=sys.stderr, flush=True)
+                    warmup = min(200, args.requests // 5) if rep == 0 else 20
+                    parts[t.name].append(bench.latency(t, block, warmup))
+                    runs[t.name].append(bench.throughput(t, wrk))
+                    done = streams[t.name]
+                    if not done or not done[0].get("timed_out"):  # one slow run is enough
+                        done.append(bench.streams(t))
+            for t in targets:
+                hold(targets, t)
+                if t.name == "corrallm" and args.profile and wrk:
+                    print("... profile: corrallm", file=sys.stderr, flush=True)
+                    res[t.name]["profile"] = bench.profile(t, wrk, args.profile)
+                if t.llama_url is not None:
+                    print(f"... llama: {t.name}", file=sys.stderr, flush=True)
+                    res[t.name]["llama"] = bench.llama(t)
         except OutOfTime:
             notes.append(f"stopped early: --max-seconds {args.max_seconds:g} reached")
+        finally:
+            hold(targets, None)
+            for name, p in parts.items():
+                if p:
+                    res[name]["latency"] = merge_latency(p)
+            for name, r in runs.items():
+                if r:
+                    res[name]["throughput"] = median_run(r)
+            for name, r in streams.items():
+                if r:
+                    res[name]["streams"] = merge_streams(r)
+                    if r[0].get("timed_out"):
+                        notes.append(
+                            f"{name}: the streams run did not finish in its time budget; its "
+                            "row is what was relayed by then (one run, not repeated)"
+                        )
         ours, theirs = (res.get(n, {}).get("throughput") for n in ("corrallm", "litellm"))
         if ours and theirs and theirs["rps"]:
             ratio = ours["rps"] / theirs["rps"]
@@ -1035,6 +1155,18 @@ def run(
         return res, notes, bench.cpu_sets()
     finally:
         procs.close()
+
+
+def hold(targets: list[Target], active: Target | None) -> None:
+    """Let `active` run and stop (SIGSTOP) every other proxy; None: resume them all."""
+    for t in targets:
+        if t.pid and t is not active:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(t.pid, signal.SIGSTOP if active else signal.SIGCONT)
+    if active is not None and active.pid:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(active.pid, signal.SIGCONT)
+        time.sleep(1.0)  # its timers catch up before it is measured
 
 
 def rss_peak_mb(pid: int) -> float | None:

@@ -1,18 +1,19 @@
 /* The streaming load generator of bench/overhead.py: many concurrent SSE streams, timed.
 
-       stream_client HOST PORT PATH BODY_FILE CONCURRENCY ROUNDS TOKENS TIMEOUT_S
+       stream_client HOST PORT PATH BODY_FILE CONCURRENCY ROUNDS TOKENS TIMEOUT_S [RAMP_S]
 
-   One thread, epoll. Opens CONCURRENCY keep-alive connections; each sends ROUNDS
-   streamed requests (POST PATH, the JSON of BODY_FILE), one after the other. The answer
+   One thread, epoll. Opens CONCURRENCY keep-alive connections, spread evenly over RAMP_S
+   seconds (default 0: all at once); each sends ROUNDS streamed requests (POST PATH, the
+   JSON of BODY_FILE), one after the other. The answer
    is decoded (Content-Length or chunked) and split into lines; a line `data: ...` is an
    event, and one that holds `"content"` but not `"role"` is a token (what
    bench/loadgen.py counts). Each line is stamped with the time of the read() that
    completed it. A stream is an error unless it answered 200 with exactly TOKENS tokens.
 
    Prints one JSON object like loadgen.py's `streams` mode (milliseconds, nearest-rank
-   percentiles): ttft_* (request sent to first event), gap_* (between consecutive tokens
-   of a stream), streams, errors, plus events and tokens received, elapsed seconds and
-   this process's own CPU seconds (to show it is not the bottleneck).
+   percentiles, plus p90 and max): ttft_* (request sent to first event), gap_* (between
+   consecutive tokens of a stream), streams, errors, plus events and tokens received,
+   elapsed seconds and this process's own CPU seconds (to show it is not the bottleneck).
    Built by bench/overhead.py with `gcc -O2`; never part of corrallm.
 */
 #define _GNU_SOURCE
@@ -330,28 +331,33 @@ static int cmp(const void *a, const void *b) {
 
 static void summary(const char *prefix, double *v, size_t n) {
     if (!n) {
-        printf("\"%sp50\": null, \"%sp99\": null, \"%smean\": null, ", prefix, prefix, prefix);
+        printf("\"%sp50\": null, \"%sp90\": null, \"%sp99\": null, \"%smean\": null, "
+               "\"%smax\": null, ",
+               prefix, prefix, prefix, prefix, prefix);
         return;
     }
     qsort(v, n, sizeof *v, cmp);
     double sum = 0;
     for (size_t i = 0; i < n; i++) sum += v[i];
-    double p[2] = {50, 99};
-    for (int k = 0; k < 2; k++) {
+    double p[3] = {50, 90, 99};
+    for (int k = 0; k < 3; k++) {
         long idx = (long)ceil(p[k] / 100.0 * (double)n) - 1;
         if (idx < 0) idx = 0;
         if ((size_t)idx >= n) idx = (long)n - 1;
         printf("\"%sp%g\": %.4f, ", prefix, p[k], v[idx] * 1000);
     }
-    printf("\"%smean\": %.4f, ", prefix, sum / (double)n * 1000);
+    printf("\"%smean\": %.4f, \"%smax\": %.4f, ", prefix, sum / (double)n * 1000, prefix,
+           v[n - 1] * 1000);
 }
 
 int main(int argc, char **argv) {
-    if (argc != 9) {
-        fprintf(stderr, "usage: %s HOST PORT PATH BODY_FILE CONCURRENCY ROUNDS TOKENS TIMEOUT_S\n",
+    if (argc != 9 && argc != 10) {
+        fprintf(stderr,
+                "usage: %s HOST PORT PATH BODY_FILE CONCURRENCY ROUNDS TOKENS TIMEOUT_S [RAMP_S]\n",
                 argv[0]);
         return 2;
     }
+    double ramp = argc == 10 ? atof(argv[9]) : 0;
     signal(SIGPIPE, SIG_IGN);
     struct rlimit rl;
     if (getrlimit(RLIMIT_NOFILE, &rl) == 0) {
@@ -381,24 +387,31 @@ int main(int argc, char **argv) {
 
     epfd = epoll_create1(0);
     Conn *conns = calloc((size_t)conc, sizeof(Conn));
+    for (int i = 0; i < conc; i++) conns[i].fd = -1;
     double t0 = now_s();
-    for (int i = 0; i < conc; i++) {
-        conns[i].rounds_left = rounds;
-        if (open_conn(&conns[i]) < 0) {
-            errors += rounds;
-            continue;
-        }
-        active++;
-    }
+    int opened = 0;
     struct epoll_event evs[512];
     int timed_out = 0;
-    while (active > 0) {
-        double left = timeout - (now_s() - t0);
+    while (active > 0 || opened < conc) {
+        double now = now_s();
+        /* The first streams start spread evenly over RAMP_S (later rounds keep that phase). */
+        while (opened < conc && now >= t0 + ramp * opened / conc) {
+            Conn *c = &conns[opened++];
+            c->rounds_left = rounds;
+            if (open_conn(c) < 0) {
+                errors += rounds;
+                continue;
+            }
+            active++;
+        }
+        double left = timeout - (now - t0);
         if (left <= 0) {
             timed_out = 1;
             break;
         }
-        int n = epoll_wait(epfd, evs, 512, (int)(left * 1000) + 1);
+        int wait_ms = (int)(left * 1000) + 1;
+        if (opened < conc) wait_ms = 1;
+        int n = epoll_wait(epfd, evs, 512, wait_ms);
         if (n < 0 && errno != EINTR) die("epoll_wait");
         for (int i = 0; i < n; i++) {
             Conn *c = evs[i].data.ptr;
