@@ -111,7 +111,7 @@ def test_W1_R4_an_idle_ttl_puts_a_sleeper_to_sleep_not_to_stop(gateway_factory):
 
 
 def test_W1_L2_a_request_wakes_a_sleeper_and_concurrent_ones_share_one_wake(gateway_factory):
-    gw = gateway_factory(one_sleeper("--wake-seconds", "0.5", ttl="2s"))
+    gw = gateway_factory(one_sleeper("--wake-seconds", "0.5", ttl="4s"))
     pid = sleep_pid(gw, "a")
     with concurrent.futures.ThreadPoolExecutor(4) as pool:
         answers = list(pool.map(lambda _: chat(gw, "a"), range(4)))
@@ -182,7 +182,7 @@ def test_W1_R2_eviction_stops_a_sleeper_whose_sleep_usage_does_not_fit(gateway_f
 
 
 def test_W1_a_failed_wake_restarts_the_backend_and_the_request_still_succeeds(gateway_factory):
-    gw = gateway_factory(one_sleeper("--wake-fails", ttl="2s"))
+    gw = gateway_factory(one_sleeper("--wake-fails", ttl="4s"))
     pid = sleep_pid(gw, "a")
     response = chat(gw, "a")
     assert response.status_code == 200, response.text
