@@ -111,16 +111,15 @@ class CorrallmApp:
         exchange = Exchange(new_request_id())
         token = CURRENT.set(exchange)
         out = _answering(send, exchange)
-        try:
+
+        async def work() -> None:
             _require(scope["method"], surface.method, path)
             body = await self._body(scope, receive)
             exchange.capture = self.gateway.captures.open(exchange.id, scope, body)
-            work = surface.handler(self.pipeline, scope, receive, out, body)
-            await self._answer(work, surface.errors, out, scope, exchange.id)
-        except ApiError as exc:
-            await surface.errors(exc, out)
-        except ClientGone:
-            return
+            await surface.handler(self.pipeline, scope, receive, out, body)
+
+        try:
+            await self._answer(work(), surface.errors, out, scope, exchange.id)
         finally:
             CURRENT.reset(token)
             if exchange.capture is not None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Iterable
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -431,6 +432,11 @@ def capture(gw: Gateway, request_id: str) -> dict[str, Any]:
         "encoding": {"request": kept.request_encoding, "response": kept.response_encoding},
         "headers": {"request": kept.request_headers, "response": kept.response_headers},
     }
+
+
+def kept_captures(gw: Gateway, request_ids: Iterable[str | None]) -> set[str]:
+    """Which of these requests have a capture kept (one lookup each)."""
+    return {rid for rid in request_ids if rid is not None and gw.captures.get(rid) is not None}
 
 
 def _capture_row(kept: Record) -> dict[str, Any]:

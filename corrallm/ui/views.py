@@ -27,10 +27,7 @@ SECTIONS = (
 # Fragments the page fetches on demand and never renders on its own: one capture (O2),
 # opened from its activity row.
 FRAGMENTS = (*SECTIONS, "capture")
-# The activity section's rows, and how many of the newest captures are looked through to
-# mark the rows that have one (one pass over the ring per render, no lookup per row).
-ACTIVITY_ROWS = 50
-CAPTURE_SCAN = 1000
+ACTIVITY_ROWS = 50  # the activity section's rows
 # The playground's choices of `response_format`; diarized_json asks for speaker segments.
 FORMATS = ("json", "verbose_json", "diarized_json", "text", "srt", "vtt")
 # Usage ranges: (how far back, bucket length).
@@ -169,9 +166,9 @@ def _bars(groups: dict[str, dict[str, float]]) -> list[dict[str, Any]]:
 async def activity(gw: Gateway) -> dict[str, Any]:
     """The newest rows, each marked with whether a capture of its request is kept."""
     rows = (await usage.activity(gw, ACTIVITY_ROWS))["rows"]
-    kept = {c["request_id"] for c in service.captures(gw, CAPTURE_SCAN)["captures"]}
+    kept = service.kept_captures(gw, (row["request_id"] for row in rows))
     for row in rows:
-        row["captured"] = row["request_id"] is not None and row["request_id"] in kept
+        row["captured"] = row["request_id"] in kept
     return {"rows": rows, "bodies": gw.config.capture.bodies}
 
 
