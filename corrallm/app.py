@@ -13,6 +13,7 @@ import asyncio
 import gc
 import logging
 import signal
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,6 +24,7 @@ from corrallm.api.auth import authorized, canonical
 from corrallm.gateway import Gateway
 from corrallm.metrics import CONTENT_TYPE
 from corrallm.observe.context import CURRENT, HEADER, Exchange, new_request_id
+from corrallm.peers import lanes
 from corrallm.proxy import anthropic, audio, inference, realtime, reservations, responses
 from corrallm.proxy.asgi import (
     ASGIApp,
@@ -109,6 +111,7 @@ class CorrallmApp:
             return
         # A request through the pipeline: its id on every answer, its exchange captured.
         exchange = Exchange(new_request_id())
+        self._hop(scope, exchange)
         token = CURRENT.set(exchange)
         out = _answering(send, exchange)
 
@@ -124,6 +127,26 @@ class CorrallmApp:
             CURRENT.reset(token)
             if exchange.capture is not None:
                 self.gateway.captures.close(exchange)
+
+    def _hop(self, scope: Scope, exchange: Exchange) -> None:
+        """X3: a request another gateway forwarded carries its caller's lane, signed with
+        this node's admin token; trusted only if the signature checks out and is fresh."""
+        lane = signature = None
+        for name, value in scope["headers"]:
+            if name == lanes.LANE:
+                lane = value
+            elif name == lanes.SIGNATURE:
+                signature = value
+        if lane is None and signature is None:
+            return
+        exchange.hop = True
+        verdict = lanes.verify(self._admin_token, lane, signature, time.time())
+        if verdict == "signed":
+            assert lane is not None
+            exchange.lane = lane.decode()
+        else:
+            self.gateway.metrics.lanes_ignored[verdict] += 1
+            log.warning("request=%s lane header ignored: %s", exchange.id, verdict)
 
     async def _answer(
         self,

@@ -37,6 +37,9 @@ from corrallm.lifecycle.transitions import Transitions
 from corrallm.metrics import Metrics
 from corrallm.observe.captures import Captures
 from corrallm.observe.live import LiveRequests
+from corrallm.peers.catalog import PeerView
+from corrallm.peers.endpoint import PeerEndpoint
+from corrallm.peers.nodes import Nodes
 from corrallm.residency.footprints import estimate_footprints
 from corrallm.residency.manager import Residency
 from corrallm.residency.measure import memory_reader
@@ -80,11 +83,14 @@ class Gateway:
         self.bus: Transitions[Supervisor] = Transitions()
         self.metrics = Metrics(self)
         self.residency = Residency({}, bus=self.bus)
+        self.nodes = Nodes(self.refresh_peers, self._peer_moved)
+        self.nodes.reconfigure(config)
         self.economics = Economics(
             self.bus, self.store, self.residency, lambda: self.config.ledger.gpu_hour_price
         )
+        self._footprints = estimate_footprints(config)[0]
         self.topology = build(
-            config, self._new_supervisor, footprints=estimate_footprints(config)[0]
+            config, self._new_supervisor, footprints=self._footprints, nodes=self.nodes
         )
         self.admission = Admission(config, self.routes)
         self.pauses = Pauses(self.store, self.topology.pausables())
@@ -127,8 +133,8 @@ class Gateway:
     def served(self) -> list[ServedModel]:
         return self.topology.served
 
-    def caller(self, key: str | None) -> Caller:
-        return self.topology.caller(key)
+    def caller(self, key: str | None, signed: str | None = None) -> Caller:
+        return self.topology.caller(key, signed)
 
     def own_supervisors(self, served: ServedModel) -> list[Supervisor]:
         return self.topology.own_supervisors(served)
@@ -138,22 +144,42 @@ class Gateway:
         in, and hand its parts to the long-lived owners. Returns the topology it replaced;
         retiring the processes that left it is the caller's (reload.py)."""
         previous = self.topology
+        self.nodes.reconfigure(config)
+        self._footprints = estimate_footprints(config)[0]
+        self.ledger.reconfigure(config)
+        self.captures.reconfigure(config)
+        self._swap(config)
+        return previous
+
+    def refresh_peers(self) -> None:
+        """X1: a peer's models changed (or it connected): the same config, new routes."""
+        self._swap(self.config)
+
+    def _swap(self, config: Config) -> None:
         topology = build(
-            config, self._new_supervisor, previous.supervisors, estimate_footprints(config)[0]
+            config, self._new_supervisor, self.topology.supervisors, self._footprints, self.nodes
         )
         self.topology = topology
         self.version += 1
-        self.ledger.reconfigure(config)
         self.admission.reconfigure(config, topology.routes)
         self.pauses.targets = topology.pausables()
-        self.captures.reconfigure(config)
         self._place(topology)
-        return previous
+
+    def _peer_moved(self, view: PeerView) -> None:
+        """X4: a peer went down (its requests are moved off it) or came back."""
+        self.events.publish("peer", view.view())
+        if not view.up:
+            self.admission.evacuate(
+                {r.id for r in self.routes.values() if getattr(r.endpoint, "peer", None) is view}
+            )
 
     def stale(self, route: Route) -> bool:
         """Whether a route taken before a config reload no longer leads to a backend of
         the config in force (removed, or replaced by one with a new spec)."""
-        return route.id not in self.routes or getattr(route.endpoint, "retired", False)
+        endpoint = route.endpoint
+        if isinstance(endpoint, PeerEndpoint) and not endpoint.available():
+            return True  # X4: its peer went down while the request waited for it
+        return route.id not in self.routes or getattr(endpoint, "retired", False)
 
     def placeable(self, route: Route) -> bool:
         """Could this route serve now without waiting for memory (R2 spill)?"""
@@ -193,6 +219,7 @@ class Gateway:
         self.residency.reader = await asyncio.to_thread(memory_reader)
         await recover(self.home, self.supervisors)
         await self.pauses.restore()
+        await self.nodes.start()
         self.preload()
         self.background(reaper(self.admission, self.telemetry, self.residency, self.pauses))
         self.background(self.activity.run())
@@ -210,6 +237,7 @@ class Gateway:
         """Stop every backend this gateway started; nothing is left behind (L5)."""
         for task in self._tasks:
             task.cancel()
+        await self.nodes.close()
         await asyncio.gather(*(sup.stop() for sup in self.supervisors.values()))
         await self.residency.close()
         try:

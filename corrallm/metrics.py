@@ -27,6 +27,7 @@ if TYPE_CHECKING:
     from corrallm.config import Config
     from corrallm.cost.ledger import Visit
     from corrallm.lifecycle.supervisor import Supervisor
+    from corrallm.peers.nodes import Nodes
     from corrallm.residency.manager import Residency
     from corrallm.routing.router import Route
     from corrallm.scheduler.admission import Admission
@@ -45,6 +46,8 @@ class Observed(Protocol):
     def supervisors(self) -> Mapping[str, Supervisor]: ...
     @property
     def residency(self) -> Residency: ...
+    @property
+    def nodes(self) -> Nodes: ...
 
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -66,6 +69,7 @@ class Metrics:
         self.sleeps: Counter[str] = Counter()  # W1: real sleeps (asleep, not stopped)
         self.wakes: Counter[str] = Counter()
         self.wake_seconds: defaultdict[str, float] = defaultdict(float)
+        self.lanes_ignored: Counter[str] = Counter()  # X3: by why (unsigned, bad, stale)
         self.latency = Latency()
         self._registry = CollectorRegistry(auto_describe=False)
         self._registry.register(self)
@@ -202,6 +206,18 @@ class Metrics:
                 pools.add_metric([name, pool, "used"], used.get(pool, 0))
         yield pools
         yield _backend_memory(self.gateway.residency)
+        peers = GaugeMetricFamily(
+            "corrallm_peer_up", "1 while a peer's events stream is connected (X4)", labels=["peer"]
+        )
+        for view in self.gateway.nodes.views.values():
+            peers.add_metric([view.name], 1.0 if view.up else 0.0)
+        yield peers
+        yield _counter(
+            "corrallm_peer_lanes_ignored",
+            "X-Corrallm-Lane headers not trusted, by reason: unsigned, bad_signature, stale",
+            ["reason"],
+            self.lanes_ignored,
+        )
 
 
 # SPEC §21 O3: bucket bounds (seconds, or tokens a second), from a sub-millisecond queue

@@ -15,11 +15,13 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 from corrallm.config import Config, backend_id
-from corrallm.config.schema import ANY_GPU, Model, PriorityGroup, ProcessSpec
+from corrallm.config.schema import ANY_GPU, Backend, Model, PriorityGroup, ProcessSpec
 from corrallm.lifecycle.addresses import resolve_url
 from corrallm.lifecycle.pauses import Kind, Pausable
 from corrallm.lifecycle.remote import RemoteEndpoint
 from corrallm.lifecycle.supervisor import Supervisor
+from corrallm.peers.catalog import RemoteModel
+from corrallm.peers.nodes import Nodes
 from corrallm.residency.footprints import Footprint
 from corrallm.residency.manager import Tenancy
 from corrallm.routing.filters import filters_of
@@ -49,8 +51,15 @@ class Topology:
     served: list[ServedModel] = field(default_factory=list)  # each once, in config order
     tenancies: list[Tenancy] = field(default_factory=list)
 
-    def caller(self, key: str | None) -> Caller:
-        """S1: the caller's lane, from its key (unknown and missing keys: the default)."""
+    def caller(self, key: str | None, signed: str | None = None) -> Caller:
+        """S1: the caller's lane, from its key (unknown and missing keys: the default).
+        `signed`: the lane a gateway signed for a request it forwarded (X3), which stands
+        for the caller's key (it never crosses the hop); a lane not configured here is the
+        default."""
+        if signed is not None:
+            name = signed if signed in self.config.priority_groups else None
+            name = name or self.config.scheduler.default_group
+            return Caller(None, name, self.config.priority_groups.get(name), True)
         lane = self.config.keys.get(key) if key else None
         group_name = lane or self.config.scheduler.default_group
         return Caller(key, group_name, self.config.priority_groups.get(group_name), bool(lane))
@@ -90,9 +99,11 @@ def build(
     make: MakeSupervisor,
     previous: Mapping[str, Supervisor] | None = None,
     footprints: Mapping[str, Footprint] | None = None,
+    nodes: Nodes | None = None,
 ) -> Topology:
     """The topology of `config`, keeping the supervisor of every unchanged process;
-    `footprints` are the estimates of backends whose ramUsage is auto or omitted (M1)."""
+    `footprints` are the estimates of backends whose ramUsage is auto or omitted (M1);
+    `nodes`: the peers whose models join the local ones as `<model>@<peer>` (X1)."""
     kept = previous or {}
     estimated = footprints or {}
     topo = Topology(config)
@@ -106,13 +117,20 @@ def build(
 
     for name, spec in config.extensions.items():
         topo.extensions[name] = supervisor(f"extension:{name}", spec)
-    for name, model in config.models.items():
+    remote = _remote_models(config, nodes)
+    models = dict(config.models)
+    for name, found in remote.items():
+        models[name] = _with_peers(config, models.get(name), found)
+    for name, model in models.items():
         filters = filters_of(model)  # K5: its filters, and alias -> its own setParams
         routes = []
         for index, backend in enumerate(model.backends):
             bid = backend_id(name, index, backend)
             endpoint: Endpoint
-            if backend.extension:
+            if backend.peer is not None:
+                assert nodes is not None
+                endpoint = nodes.endpoint(backend.peer, name)
+            elif backend.extension:
                 endpoint = topo.extensions[backend.extension]
             elif backend.cmd or backend.supervision in ("docker", "systemd"):
                 endpoint = supervisor(bid, backend)
@@ -128,7 +146,9 @@ def build(
         served = ServedModel(name, model, routes)
         topo.served.append(served)
         for key in (name, *model.aliases):
-            topo.models[key] = served
+            topo.models.setdefault(key, served)  # a local name wins over a peer's alias
+    if nodes is not None:
+        nodes.kept({r.id for r in topo.routes.values()})
     for name, sup in topo.extensions.items():
         spec = config.extensions[name]
         footprint = estimated.get(sup.id)
@@ -168,3 +188,49 @@ def _tenancy(
         gpus=tuple(gpus),
         sleep_usage=dict(spec.sleep_usage) if spec.sleep is not None else None,
     )
+
+
+def _remote_models(config: Config, nodes: Nodes | None) -> dict[str, list[tuple[str, RemoteModel]]]:
+    """Each model some peer serves: [(peer, what it serves)], peers in config order."""
+    found: dict[str, list[tuple[str, RemoteModel]]] = {}
+    if nodes is None:
+        return found
+    for peer in config.peers:
+        view = nodes.views.get(peer)
+        for remote in view.models.values() if view is not None else ():
+            found.setdefault(remote.name, []).append((peer, remote))
+    return found
+
+
+def _with_peers(config: Config, local: Model | None, found: list[tuple[str, RemoteModel]]) -> Model:
+    """The model with its peers' backends (X1): each after the local backends of its type
+    and quality (before them with `peerOrder: first`), else after all of them. A model
+    served only by peers takes the first peer's aliases."""
+    backends = list(local.backends) if local is not None else []
+    first = config.peer_order == "first"
+    for peer, remote in found:
+        b = remote.primary
+        backend = Backend(
+            name=f"{remote.name}@{peer}",
+            proxy=nodes_url(config, peer),
+            model=remote.name,  # a caller may have named a local alias
+            type=b.type,
+            quality=b.quality,
+            max_concurrent=remote.capacity,
+            modes=sorted({m for x in remote.backends for m in x.modes}),
+            apis=["openai", "anthropic", "responses"],  # a corrallm speaks every dialect
+            peer=peer,
+        )
+        same = [i for i, x in enumerate(backends) if (x.type, x.quality) == (b.type, b.quality)]
+        if same:
+            backends.insert(same[0] if first else same[-1] + 1, backend)
+        else:
+            backends.append(backend)
+    if local is not None:
+        return local.model_copy(update={"backends": backends})
+    aliases = [{"name": a} for a in found[0][1].aliases if a not in config.models]
+    return Model.model_validate({"backends": backends, "aliases": aliases, "unlisted": False})
+
+
+def nodes_url(config: Config, peer: str) -> str:
+    return config.peers[peer].url.rstrip("/")

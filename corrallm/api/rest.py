@@ -18,6 +18,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from corrallm import __version__
 from corrallm.api import schemas, service, usage
+from corrallm.events import HEARTBEAT_SECONDS
 from corrallm.gateway import Gateway
 from corrallm.proxy.errors import ApiError, internal
 from corrallm.store.db import StoreUnavailable
@@ -157,13 +158,20 @@ def build_rest(gw: Gateway) -> FastAPI:
         kinds: str | None = Query(
             None,
             description="comma-separated kinds to receive (lifecycle, admission, queue_depth, "
-            "usage, log, reservation, request); all when absent",
+            "usage, log, reservation, request, peer); all when absent",
+        ),
+        heartbeat: float = Query(
+            HEARTBEAT_SECONDS,
+            ge=0.1,
+            le=300,
+            description="seconds of silence before a heartbeat comment (a gateway following "
+            "this node asks for a third of its peerTimeout)",
         ),
     ) -> StreamingResponse:
         """Live events as Server-Sent Events, with a heartbeat comment every 15 s."""
         wanted = frozenset(k.strip() for k in kinds.split(",") if k.strip()) if kinds else None
         return StreamingResponse(
-            gw.events.stream(wanted),
+            gw.events.stream(wanted, heartbeat),
             media_type="text/event-stream",
             headers={"cache-control": "no-cache", "x-accel-buffering": "no"},
         )

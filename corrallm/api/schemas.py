@@ -3,7 +3,7 @@ for the OpenAPI document."""
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -86,6 +86,16 @@ class BackendView(BaseModel):
     sleeps: bool = Field(
         description="it has a `sleep` config: idle ttl and eviction may put it to sleep (W1)"
     )
+    peer: str | None = Field(
+        None, description="the peer node serving it (`<model>@<peer>`, SPEC §19 X1); null: local"
+    )
+    modes: list[str] = Field(default_factory=list, description="STT surfaces it serves (U3)")
+    service_seconds: float | None = Field(
+        None, description="how long a request holds a slot here, on average (X2); null: none yet"
+    )
+    load_seconds: float | None = Field(
+        None, description="how long its last start took; null: never started here"
+    )
 
 
 class ModelView(BaseModel):
@@ -110,9 +120,36 @@ class ServerView(BaseModel):
     pools: dict[str, PoolView]
 
 
+class PeerBackendView(BaseModel):
+    id: str
+    state: str
+    in_flight: int
+
+
+class PeerModelView(BaseModel):
+    name: str
+    backend: str = Field(description="its backend here: <model>@<peer>")
+    state: str = Field(description="the best state among its backends on the peer")
+    capacity: int
+    in_flight: int
+    waiting: int
+    backends: list[PeerBackendView]
+
+
+class PeerNodeView(BaseModel):
+    name: str
+    url: str
+    state: Literal["up", "down"]
+    error: str | None = Field(description="why it is down; null while up")
+    models: list[PeerModelView]
+
+
 class Overview(BaseModel):
     models: list[ModelView]
     servers: list[ServerView]
+    peers: list[PeerNodeView] = Field(
+        default_factory=list, description="the other nodes this gateway serves (SPEC §19 X4)"
+    )
 
 
 Footprint = dict[str, int]  # bytes per pool
@@ -157,8 +194,24 @@ class ServerResidency(BaseModel):
     residents: list[ResidentView]
 
 
+class PeerResident(BaseModel):
+    backend: str = Field(description="<model>@<peer>")
+    state: str
+    in_flight: int
+
+
+class PeerResidency(BaseModel):
+    name: str
+    state: Literal["up", "down"]
+    backends: list[PeerResident]
+
+
 class Residency(BaseModel):
     servers: list[ServerResidency]
+    peers: list[PeerResidency] = Field(
+        default_factory=list,
+        description="each peer's models as it reports them (its pools are its own to plan)",
+    )
 
 
 class LaneView(BaseModel):

@@ -238,6 +238,10 @@ def overview(gw: Gateway) -> dict[str, Any]:
                     "extension": route.config.extension,
                     "last_error": getattr(endpoint, "last_error", None),
                     "sleeps": isinstance(endpoint, Supervisor) and endpoint.spec.sleep is not None,
+                    "peer": route.config.peer,
+                    "modes": list(route.config.modes),
+                    "service_seconds": gw.admission.core.backends[route.id].service,
+                    "load_seconds": getattr(endpoint, "last_load_seconds", None),
                 }
             )
         models.append(
@@ -266,7 +270,8 @@ def overview(gw: Gateway) -> dict[str, Any]:
         }
         for name, server in gw.config.servers.items()
     ]
-    return {"models": models, "servers": servers}
+    peers = [view.view() for view in gw.nodes.views.values()]
+    return {"models": models, "servers": servers, "peers": peers}
 
 
 def residency(gw: Gateway) -> dict[str, Any]:
@@ -294,7 +299,19 @@ def residency(gw: Gateway) -> dict[str, Any]:
                 }
             )
         servers.append({"name": name, "residents": residents})
-    return {"servers": servers}
+    # X1: what each peer holds is its own to plan; here, its models' state as it reports.
+    peers = [
+        {
+            "name": view.name,
+            "state": "up" if view.up else "down",
+            "backends": [
+                {"backend": m["backend"], "state": m["state"], "in_flight": m["in_flight"]}
+                for m in view.view()["models"]
+            ],
+        }
+        for view in gw.nodes.views.values()
+    ]
+    return {"servers": servers, "peers": peers}
 
 
 def lanes(gw: Gateway) -> dict[str, Any]:

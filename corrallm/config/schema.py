@@ -310,6 +310,13 @@ class Backend(ProcessSpec):
         description="context tokens per slot, shown in GET /v1/models until the process "
         "reports its own n_ctx (SPEC §16 K3)",
     )
+    peer: str | None = Field(
+        None,
+        exclude=True,
+        description="set by corrallm on the backends it imports from `peers` (X1); never "
+        "written in a config",
+        json_schema_extra={"readOnly": True},
+    )
 
 
 def backend_id(model_name: str, index: int, backend: Backend) -> str:
@@ -511,6 +518,16 @@ class Capture(Section):
     )
 
 
+class Peer(Section):
+    """Another corrallm node whose models this gateway also serves (SPEC §19 X1)."""
+
+    url: Text = Field(description="the peer's base URL, e.g. http://10.0.0.2:6502")
+    token: Text = Field(
+        description="the peer's admin token: reads its management API and signs the lanes "
+        "of the requests sent to it (X3)"
+    )
+
+
 class Config(Section):
     cost_per_kwh: float = Field(0.0, ge=0)
     command_costs: dict[str, CommandCost] = Field(default_factory=dict)
@@ -526,6 +543,16 @@ class Config(Section):
     feedback: Feedback = Field(default_factory=Feedback)
     capture: Capture = Field(default_factory=Capture)
     max_body_size: Size = 64 * 10**6
+    peers: dict[str, Peer] = Field(
+        default_factory=dict, description="other corrallm nodes, by name (SPEC §19 X1)"
+    )
+    peer_order: Literal["last", "first"] = Field(
+        "last",
+        description="where a peer's backends stand among the local ones of the same quality",
+    )
+    peer_timeout: Duration = Field(
+        5.0, gt=0, description="a peer silent this long is marked down (X4)"
+    )
 
     def upstream_idle(self, backend: Backend) -> float:
         """Seconds a backend may stay silent mid-request: its own setting, else the top level."""

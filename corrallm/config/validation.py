@@ -181,6 +181,7 @@ class _Checker:
         self.check_ports()
         self.check_groups()
         self.check_keys()
+        self.check_peers()
         return self.problems
 
     def check_servers(self) -> None:
@@ -473,6 +474,49 @@ class _Checker:
                     f"unknown group '{group}'{did_you_mean(group, groups)}; "
                     f"priorityGroups: {_names(map(str, self.groups))}",
                 )
+
+    def check_peers(self) -> None:
+        for model, spec in self.models.items():
+            backends = _map(spec).get("backends")
+            for i, raw in enumerate(backends if isinstance(backends, list) else []):
+                if "peer" in _map(raw):
+                    self.add(
+                        ("models", model, "backends", i, "peer"),
+                        "'peer' is set by corrallm on the backends it imports; list the "
+                        "other node under the top-level 'peers' instead",
+                    )
+        for name, raw in _map(self.data.get("peers")).items():
+            loc: Loc = ("peers", name)
+            if not _PEER_NAME.fullmatch(str(name)):
+                self.add(
+                    loc,
+                    f"peer name '{name}' must be letters, digits, '-' or '_': it names the "
+                    "peer's backends as <model>@<peer>",
+                )
+            url = _text(_map(raw).get("url"))
+            if url is not None:
+                parts = urlsplit(url)
+                if parts.scheme not in ("http", "https") or not parts.hostname:
+                    self.add(
+                        (*loc, "url"),
+                        f"'{url}' is not an http(s) URL; write it as http://host:port "
+                        "(the peer's corrallm, as its clients reach it)",
+                    )
+                elif parts.path not in ("", "/") or parts.query:
+                    self.add(
+                        (*loc, "url"),
+                        f"'{url}' has a path; give the peer's base URL only (http://host:port)",
+                    )
+            token = _text(_map(raw).get("token"))
+            if token is not None and not token.strip():
+                self.add(
+                    (*loc, "token"),
+                    "the token is empty (an unset ${VAR}?); it is the peer's admin token, "
+                    "the file admin.token in its home folder",
+                )
+
+
+_PEER_NAME = re.compile(r"[A-Za-z0-9_-]+")
 
 
 def cross_field_problems(data: Mapping[str, Any]) -> list[Problem]:

@@ -22,3 +22,7 @@ class BackendPaused(LifecycleError):
 
 class LifecycleBusy(LifecycleError):
     """Another lifecycle action on this process is under way (an explicit load gets 409)."""
+
+
+class PeerDown(LifecycleError):
+    """The peer node serving this backend stopped answering (SPEC §19 X4)."""

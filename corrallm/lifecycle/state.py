@@ -17,6 +17,24 @@ class State(StrEnum):
     WAKING = "waking"
 
 
+# Best first: the state a model shows is the best among its backends' (K3).
+BEST_FIRST = {
+    state: rank
+    for rank, state in enumerate(
+        (
+            State.READY,
+            State.WAKING,
+            State.STARTING,
+            State.ASLEEP,
+            State.DRAINING,
+            State.STOPPING,
+            State.STOPPED,
+            State.FAILED,
+            State.PAUSED,
+        )
+    )
+}
+
 # Every legal transition, as h11 keeps them: one table, checked on every move.
 TRANSITIONS: dict[State, frozenset[State]] = {
     State.STOPPED: frozenset({State.STARTING, State.PAUSED}),

@@ -42,6 +42,10 @@ class Exchange:
     capture: Tee | None = None
     visit: Visit | None = None  # set by the pipeline once the request is admitted to it
     answered: bool = False  # the head of an answer went out to the client
+    # SPEC §19 X3: it came from another gateway (it carries X-Corrallm-Lane headers), and
+    # the lane those headers name if their signature checked out.
+    hop: bool = False
+    lane: str | None = None
 
 
 CURRENT: ContextVar[Exchange | None] = ContextVar("corrallm_exchange", default=None)

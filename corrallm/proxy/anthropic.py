@@ -62,9 +62,7 @@ def speaks_anthropic(route: Route) -> bool:
 
 
 def _headers(scope: Scope, route: Route) -> list[tuple[str, str]]:
-    # x-api-key is the caller's key (corrallm's business, SPEC §3): it never leaves.
-    raw = [(k, v) for k, v in scope["headers"] if k != b"x-api-key"]
-    return request_headers(raw, route.config.headers)
+    return request_headers(scope["headers"], route.config.headers)
 
 
 def _read(payload: dict[str, Any]) -> tuple[dict[str, Any], int | None, bool]:
@@ -117,7 +115,15 @@ async def serve(
         admitted.live.meter = meter
         try:
             return await _exchange(
-                pipeline, admitted, out, url, data, _headers(scope, route), meter, watch, stream
+                pipeline,
+                admitted,
+                out,
+                url,
+                data,
+                admitted.upstream_headers(scope["headers"]),
+                meter,
+                watch,
+                stream,
             )
         finally:
             visit.status = meter.status or visit.status

@@ -15,6 +15,7 @@ from corrallm.lifecycle.errors import (
     BackendRetired,
     LifecycleBusy,
     LifecycleError,
+    PeerDown,
 )
 from corrallm.proxy.asgi import Send, send_bytes
 from corrallm.residency.manager import NoRoom
@@ -66,6 +67,7 @@ LIFECYCLE_FAILURES: tuple[tuple[type[LifecycleError], int, int, str], ...] = (
     (BackendPaused, 503, 423, "paused"),
     (LifecycleBusy, 503, 409, "lifecycle_busy"),
     (NoRoom, 503, 503, "insufficient_capacity"),
+    (PeerDown, 503, 503, "peer_down"),
 )
 
 

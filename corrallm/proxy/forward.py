@@ -39,9 +39,30 @@ _HOP_BY_HOP = frozenset(
         b"accept-encoding",
     }
 )
-_CALLER_IDENTITY = frozenset({b"authorization", b"x-corrallm-key", b"x-api-key", b"cookie"})
+# The caller's identity is corrallm's business only (SPEC §3); a lane is signed anew for
+# each hop (X3), never passed on as a client sent it.
+_CALLER_IDENTITY = frozenset(
+    {
+        b"authorization",
+        b"x-corrallm-key",
+        b"x-api-key",
+        b"cookie",
+        b"x-corrallm-lane",
+        b"x-corrallm-lane-signature",
+    }
+)
 _DROP_REQUEST = _HOP_BY_HOP | _CALLER_IDENTITY
-_DROP_RESPONSE = frozenset({b"connection", b"keep-alive", b"transfer-encoding", b"server", b"date"})
+# A peer's request id is its own (SPEC §21 O1): the client is told this gateway's.
+_DROP_RESPONSE = frozenset(
+    {
+        b"connection",
+        b"keep-alive",
+        b"transfer-encoding",
+        b"server",
+        b"date",
+        b"x-corrallm-request-id",
+    }
+)
 
 
 class Relay(Protocol):

@@ -168,7 +168,7 @@ async def serve_parsed(
                 out,
                 upstream_url(route.endpoint.base_url, path),
                 data,
-                request_headers(scope["headers"], route.config.headers),
+                admitted.upstream_headers(scope["headers"]),
                 extra,
                 watch,
                 route.id,

@@ -21,7 +21,7 @@ from typing import Any
 import orjson
 
 from corrallm.gateway import Gateway
-from corrallm.lifecycle.state import State
+from corrallm.lifecycle.state import BEST_FIRST
 from corrallm.lifecycle.supervisor import Supervisor
 from corrallm.proxy.asgi import Scope, Send, send_bytes
 from corrallm.proxy.audio import speaks
@@ -30,23 +30,6 @@ from corrallm.routing.router import ServedModel
 
 PREFIX = "/v1/models/"
 
-# Best first: the state a model shows is the best among its backends' (K3).
-_RANK = {
-    state: rank
-    for rank, state in enumerate(
-        (
-            State.READY,
-            State.WAKING,
-            State.STARTING,
-            State.ASLEEP,
-            State.DRAINING,
-            State.STOPPING,
-            State.STOPPED,
-            State.FAILED,
-            State.PAUSED,
-        )
-    )
-}
 # What corrallm answers for every chat backend, natively or translated (K1, K2).
 CHAT = ("chat", "completions", "anthropic", "responses")
 
@@ -74,7 +57,7 @@ def state(gateway: Gateway, served: ServedModel) -> str:
     proxy is always ready)."""
     if gateway.pauses.paused("model", served.name):
         return "paused"
-    return str(min((r.endpoint.state for r in served.routes), key=_RANK.__getitem__))
+    return str(min((r.endpoint.state for r in served.routes), key=BEST_FIRST.__getitem__))
 
 
 def parsed_context(served: ServedModel) -> int | None:
@@ -116,6 +99,8 @@ class ModelCatalog:
             "modality": "audio" if audio else "text",
             "capabilities": capabilities(served, audio),
             "max_concurrency": sum(r.config.max_concurrent for r in served.routes),
+            # X1: its backends, a peer's as <model>@<peer>
+            "backends": [r.id for r in served.routes],
             "context_length": served.primary.config.context_length,
         }
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 from typing import TypeVar
 
@@ -33,6 +33,7 @@ from corrallm.lifecycle.errors import BackendPaused, LifecycleError
 from corrallm.lifecycle.supervisor import Cause
 from corrallm.observe.context import CURRENT, answer_begun, new_request_id
 from corrallm.observe.live import LiveRequest
+from corrallm.peers.endpoint import PeerEndpoint
 from corrallm.proxy.asgi import Scope, header
 from corrallm.proxy.client import Client
 from corrallm.proxy.errors import RETIRED, ApiError, lifecycle_failure, not_found, unavailable
@@ -44,7 +45,7 @@ from corrallm.proxy.feedback import (
     Waiting,
     load_note,
 )
-from corrallm.proxy.forward import DisconnectWatch, new_session
+from corrallm.proxy.forward import DisconnectWatch, new_session, request_headers
 from corrallm.routing.router import Route, ServedModel
 from corrallm.scheduler.admission import Rejected, Ticket, retry_after_header
 
@@ -77,6 +78,15 @@ class Admitted:
     @property
     def route(self) -> Route:
         return self.ticket.route
+
+    def upstream_headers(self, raw: Iterable[tuple[bytes, bytes]]) -> list[tuple[str, str]]:
+        """The request's headers for its backend: the caller's identity left out, the
+        backend's own `headers` added, and across a hop the caller's lane, signed (X3)."""
+        route = self.route
+        extra = route.config.headers
+        if isinstance(route.endpoint, PeerEndpoint):
+            extra = {**extra, **route.endpoint.hop_headers(self.caller.group_name)}
+        return request_headers(raw, extra)
 
 
 T = TypeVar("T")
@@ -164,7 +174,9 @@ class Pipeline:
         With `waiting`, a request that waits is told why (K4) as its lane's `feedback`
         says."""
         gw = self.gw
-        caller = gw.caller(inbound.key)
+        exchange = CURRENT.get()
+        hop = exchange is not None and exchange.hop
+        caller = gw.caller(inbound.key, exchange.lane if exchange is not None else None)
         visit = Visit(
             caller.key if caller.known else None,
             caller.group_name,
@@ -172,14 +184,13 @@ class Pipeline:
             inbound.endpoint,
             inbound.size,
         )
-        exchange = CURRENT.get()
         if exchange is not None:
             visit.request_id, exchange.visit = exchange.id, visit
         else:
             visit.request_id = new_request_id()
         visit.stream = inbound.stream
         live = gw.live.enter(visit)
-        flight = _Flight(caller, visit, inbound, work, watch, interrupted, live)
+        flight = _Flight(caller, visit, inbound, work, watch, interrupted, live, hop)
         if waiting is not None:
             own = caller.group.feedback if caller.group else None
             settings = gw.config.feedback.merged(own)
@@ -187,6 +198,14 @@ class Pipeline:
                 flight.narrator = Narrator(waiting, settings, visit.arrived_mono)
         try:
             served = self.gates(inbound, caller)
+            if hop and not served.local:
+                raise not_found(
+                    f"The model '{served.name}' is served here only by peers, and this "
+                    "request already crossed a hop from another gateway (it carries "
+                    "X-Corrallm-Lane); it is not forwarded again. Send it to a node that "
+                    "runs the model.",
+                    code="model_not_found",
+                )
             visit.model = served.name
             await self._admit_and_work(served, flight)
         except ApiError as exc:
@@ -224,7 +243,7 @@ class Pipeline:
 
     async def _admit_and_work(self, served: ServedModel, flight: _Flight) -> None:
         gw, caller, visit, inbound = self.gw, flight.caller, flight.visit, flight.inbound
-        tiers = served.tiers_for(caller.group, gw.placeable)
+        tiers = served.tiers_for(caller.group, gw.placeable, flight.hop)
         wait = gw.ledger.reserve(visit, tiers[0][0].config, inbound.limit)
         if wait is not None:
             raise spend_limited(caller.group_name, wait)
@@ -247,7 +266,9 @@ class Pipeline:
                     admission.release(ticket)
                     ticket = None
                     served = self.lookup(served.name, reloaded=True)
-                    tiers = served.tiers_for(caller.group, gw.placeable)
+                    tiers = served.tiers_for(caller.group, gw.placeable, flight.hop)
+                    if all(gw.stale(r) for tier in tiers for r in tier):
+                        await ready(tiers[0][0])  # raises why (X4: every peer of it down)
                     note = QueueNote(admission.core, tiers[0][0].id)
                     ticket = await flight.queued(
                         admission.acquire(
@@ -278,6 +299,15 @@ class Pipeline:
                         continue  # nothing was sent: route it again (above)
                     raise
                 except asyncio.CancelledError:
+                    if ticket.lost and not flight.client_gone() and _uncancel():
+                        ticket.lost = False
+                        if not (ticket.started and answer_begun() is not False):
+                            continue  # X4: nothing reached the client: route it again
+                        error = peer_down(ticket.route)
+                        visit.status, visit.error = error.status, f"{error.code}: {error.message}"
+                        if not ticket.shielded and flight.interrupted is not None:
+                            await flight.interrupted(admitted, error)
+                        return
                     if flight.live.cancelled and not flight.client_gone() and _uncancel():
                         return await flight.cancelled(admitted)
                     if not (ticket.preempted and _uncancel()):
@@ -319,6 +349,7 @@ class _Flight:
     watch: DisconnectWatch | None
     interrupted: Interrupted | None
     live: LiveRequest
+    hop: bool = False  # it came from another gateway: never forwarded to a peer (X1)
     narrator: Narrator | None = None
     waited: Waited = field(default_factory=Waited)
 
@@ -435,6 +466,15 @@ def cancelled(live: LiveRequest) -> ApiError:
         f"Request {live.id} was cancelled by an operator "
         "(POST /api/v1/requests/{id}/cancel); the answer so far, if any, ends here.",
         code="cancelled",
+    )
+
+
+def peer_down(route: Route) -> ApiError:
+    """X4: the peer serving a stream under way stopped answering."""
+    return unavailable(
+        f"The peer serving '{route.id}' stopped answering while it streamed this answer; "
+        "the answer so far ends here. Retry: other backends serve it.",
+        code="peer_down",
     )
 
 

@@ -26,7 +26,6 @@ from corrallm.proxy.forward import (
     DisconnectWatch,
     forward,
     open_upstream,
-    request_headers,
     upstream_failure,
 )
 from corrallm.proxy.inference import filtered, parse_request, upstream_body
@@ -89,7 +88,7 @@ async def serve(
         extra.extend((k.encode(), v.encode()) for k, v in admitted.waited.headers().items())
         if visit.degraded:
             extra.append((b"x-corrallm-degraded", b"true"))
-        headers = request_headers(scope["headers"], route.config.headers)
+        headers = admitted.upstream_headers(scope["headers"])
         idle = pipeline.gw.config.upstream_idle(route.config)
         meter = admitted.live.meter = Meter()
         try:

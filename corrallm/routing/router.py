@@ -16,10 +16,13 @@ class Endpoint(Protocol):
     """What a route needs of a backend's process (a Supervisor, or a pure-proxy endpoint)."""
 
     id: str
-    state: State
-    base_url: str
     in_flight: int
     last_used: float
+
+    @property
+    def state(self) -> State: ...
+    @property
+    def base_url(self) -> str: ...
 
     async def ensure_ready(self, cause: tuple[str | None, str, str] | None = None) -> None: ...
     def available(self) -> bool: ...
@@ -53,19 +56,24 @@ class ServedModel:
         return self.routes[0]
 
     def tiers_for(
-        self, group: PriorityGroup | None, placeable: Callable[[Route], bool] | None = None
+        self,
+        group: PriorityGroup | None,
+        placeable: Callable[[Route], bool] | None = None,
+        local_only: bool = False,
     ) -> list[list[Route]]:
         """The tiers this group may use, in order, each with its available backends.
 
         Paused tiers and tiers backing off after a failed start are skipped (F1); lower-
         quality tiers only for groups accepting degrade (F2). With `placeable`, backends
         that cannot be given memory now are left out, so the request spills past them
-        (R2) -- unless that leaves nothing, when they wait for room. With nothing
-        available at all, the primary answers, so the caller hears why.
+        (R2) -- unless that leaves nothing, when they wait for room. `local_only`: a
+        request that already crossed a hop from another gateway never goes to a peer
+        (X1); the caller checks that a local backend exists. With nothing available at
+        all, the primary (local) answers, so the caller hears why.
         """
         quality = self.primary.config.quality
         usable = [
-            [r for r in tier if r.endpoint.available()]
+            [r for r in tier if r.endpoint.available() and not (local_only and r.config.peer)]
             for tier in self._tiers
             if may_serve(tier[0].config, quality, group)
         ]
@@ -74,7 +82,14 @@ class ServedModel:
             placed = [[r for r in tier if placeable(r)] for tier in usable]
             placed = [tier for tier in placed if tier]
             usable = placed or usable
-        return usable or [[self.primary]]
+        if usable:
+            return usable
+        return [[next((r for r in self.routes if not r.config.peer), self.primary)]]
+
+    @property
+    def local(self) -> bool:
+        """Some backend of it runs here (not only on peers)."""
+        return any(not r.config.peer for r in self.routes)
 
     def degraded(self, route: Route) -> bool:
         return route.config.quality < self.primary.config.quality

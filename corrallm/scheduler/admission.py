@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from corrallm.config.schema import Config, PriorityGroup
 from corrallm.config.schema import Policy as PolicyConfig
 from corrallm.routing.affinity import Affinity
+from corrallm.routing.choice import ranks
 from corrallm.routing.router import Route
 from corrallm.scheduler.core import (
     Admit,
@@ -59,6 +60,9 @@ class Ticket:
     # K6: the conversation it belongs to (served model, session key), remembered on the
     # backend it is admitted to.
     session: tuple[str, str] | None = None
+    # X4: its peer went down while it ran; the pipeline routes it again if nothing of the
+    # answer reached the client, else ends the answer with an error.
+    lost: bool = False
 
 
 @dataclass
@@ -115,12 +119,14 @@ class Admission:
         policy = self._policy(group, tiers[0][0].config.type)
         # K6: one conversation's key is per served model (a session may span models).
         session = (tiers[0][0].model, affinity) if affinity is not None else None
+        peers = any(r.config.peer for tier in tiers for r in tier)
         decision = self.core.submit(
             request,
             [[r.id for r in tier] for tier in tiers],
             policy,
             self.clock(),
             self.sessions.get(session),
+            ranks(tiers, self.config.peer_order == "first") if peers else None,
         )
         if isinstance(decision, Reject):
             raise Rejected(
@@ -144,6 +150,15 @@ class Admission:
             currency = self.core.groups[ticket.group].spec.currency
             usage = float(tokens) if currency == "tokens" else dollars
             self._dispatch(self.core.release(ticket.id, self.clock(), usage))
+
+    def evacuate(self, route_ids: set[str]) -> None:
+        """X4: the requests running on these routes (a peer that went down) are cancelled,
+        marked lost; those queued there follow as their slots free (the pipeline sees the
+        route stale and routes them again)."""
+        for ticket in list(self._running.values()):
+            if ticket.route.id in route_ids and ticket.task is not None and not ticket.lost:
+                ticket.lost = True
+                ticket.task.cancel()
 
     async def requeue(self, ticket: Ticket, group: PriorityGroup | None) -> Ticket:
         """A preempted request that sent nothing waits again, at the head of its queue."""

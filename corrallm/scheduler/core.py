@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Literal
 
 from corrallm.scheduler.decisions import (
@@ -109,8 +109,13 @@ class Scheduler:
         policy: Policy,
         now: float,
         prefer: str | None = None,
+        rank: Mapping[str, tuple[float, ...]] | None = None,
     ) -> Decision:
         """Place a new request on the first tier with room, else by its policy (S2, F1).
+
+        `rank` (X2): a live order of backends, lowest first (ready with a free slot, then
+        the shortest expected wait, then local before peer); among a tier's backends with
+        room only the best-ranked are candidates.
 
         `prefer` (K6): the backend the request's conversation last ran on. Within the tier
         that has room, it is taken while it has room itself; otherwise the normal choice
@@ -121,7 +126,7 @@ class Scheduler:
         group = self.groups[request.group]
         self._activate(group, now)
         for position, tier in enumerate(tiers):
-            if backend := self._least_loaded(tier, request.group, prefer):
+            if backend := self._least_loaded(tier, request.group, prefer, rank):
                 return self._admit(request, backend, now)
             if policy.preempt and (victim := self._victim(tier, group.spec)):
                 return self._preempt(request, victim, now)
@@ -278,10 +283,14 @@ class Scheduler:
         return Admit(request.id, backend.id)
 
     def _least_loaded(
-        self, tier: Sequence[str], group: str, prefer: str | None = None
+        self,
+        tier: Sequence[str],
+        group: str,
+        prefer: str | None = None,
+        rank: Mapping[str, tuple[float, ...]] | None = None,
     ) -> Backend | None:
         """A backend of the tier this group may enter now: the preferred one if it may (K6),
-        else the fewest in flight, then in turn."""
+        else the best ranked (X2), then the fewest in flight, then in turn."""
         if prefer is not None and prefer in tier:
             preferred = self.backends[prefer]
             if preferred.room_for(group) and not self._waiters_fit(preferred):
@@ -293,6 +302,9 @@ class Scheduler:
         ]
         if not open_:
             return None
+        if rank is not None:
+            best = min(rank[b.id] for b in open_)
+            open_ = [b for b in open_ if rank[b.id] == best]
         self._turn += 1
         fewest = min(len(b.running) for b in open_)
         ties = [b for b in open_ if len(b.running) == fewest]
