@@ -3,7 +3,7 @@ for the OpenAPI document."""
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -139,7 +139,7 @@ class PeerModelView(BaseModel):
 class PeerNodeView(BaseModel):
     name: str
     url: str
-    state: Literal["up", "down"]
+    state: str = Field(description="up or down")
     error: str | None = Field(description="why it is down; null while up")
     models: list[PeerModelView]
 
@@ -202,7 +202,7 @@ class PeerResident(BaseModel):
 
 class PeerResidency(BaseModel):
     name: str
-    state: Literal["up", "down"]
+    state: str = Field(description="up or down")
     backends: list[PeerResident]
 
 
