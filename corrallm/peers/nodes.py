@@ -88,6 +88,17 @@ class Nodes:
         )
         self._tasks[name] = asyncio.create_task(follower.run(), name=f"corrallm-peer-{name}")
 
+    def suspect(self, view: PeerView, error: str) -> None:
+        """A request could not reach the peer (its connection failed before any answer):
+        it is down now, not once its events stream notices, and its stream is opened
+        again (it is up again at once if it answers)."""
+        if view.name not in self._tasks or not view.up:
+            return
+        self._tasks.pop(view.name).cancel()
+        view.up, view.error = False, error
+        self._changed(view, False)
+        self._start(view.name)
+
     def _stop(self, name: str) -> None:
         task = self._tasks.pop(name, None)
         if task is not None:
@@ -96,6 +107,10 @@ class Nodes:
         view = self.views.pop(name)
         view.up = False
         self._up.pop(name, None)
+        for key, endpoint in list(self.endpoints.items()):
+            if endpoint.peer is view:  # a changed peer is a new view: never reused
+                endpoint.retired = True
+                del self.endpoints[key]
 
     def _changed(self, view: PeerView, shape: bool) -> None:
         if shape:

@@ -244,7 +244,7 @@ class Pipeline:
     async def _admit_and_work(self, served: ServedModel, flight: _Flight) -> None:
         gw, caller, visit, inbound = self.gw, flight.caller, flight.visit, flight.inbound
         tiers = served.tiers_for(caller.group, gw.placeable, flight.hop)
-        wait = gw.ledger.reserve(visit, tiers[0][0].config, inbound.limit)
+        wait = await gw.ledger.reserve(visit, tiers[0][0].config, inbound.limit)
         if wait is not None:
             raise spend_limited(caller.group_name, wait)
         cause: Cause = (visit.key, caller.group_name, served.name)  # who pays a cold start
@@ -297,6 +297,12 @@ class Pipeline:
                 except ApiError as exc:
                     if exc.code == RETIRED and gw.stale(ticket.route):
                         continue  # nothing was sent: route it again (above)
+                    endpoint = ticket.route.endpoint
+                    if isinstance(endpoint, PeerEndpoint) and exc.code == "backend_error":
+                        # X4: the peer's connection failed before it answered: down now,
+                        # and this request goes to another backend (above).
+                        gw.nodes.suspect(endpoint.peer, exc.message)
+                        continue
                     raise
                 except asyncio.CancelledError:
                     if ticket.lost and not flight.client_gone() and _uncancel():
