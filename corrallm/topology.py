@@ -124,8 +124,10 @@ def build(
     for name, model in models.items():
         filters = filters_of(model)  # K5: its filters, and alias -> its own setParams
         routes = []
-        for index, backend in enumerate(model.backends):
+        index = 0  # a local backend's `#index` counts local ones only: peers never shift it
+        for backend in model.backends:
             bid = backend_id(name, index, backend)
+            index += backend.peer is None
             endpoint: Endpoint
             if backend.peer is not None:
                 assert nodes is not None
