@@ -121,6 +121,11 @@ def _check(response: aiohttp.ClientResponse, url: str) -> None:
 
 
 def _describe(exc: BaseException, timeout: float) -> str:
+    """Why the peer is down, in an operator's words (aiohttp's own are for developers)."""
     if isinstance(exc, TimeoutError):
         return f"no answer for {timeout:g}s (peerTimeout)"
+    if isinstance(exc, aiohttp.ClientConnectorError):
+        return f"cannot connect to {exc.host}:{exc.port} ({exc.os_error.strerror or exc.os_error})"
+    if isinstance(exc, aiohttp.ClientPayloadError | aiohttp.ServerDisconnectedError):
+        return "its events stream broke off (the node closed the connection or died)"
     return str(exc) or type(exc).__name__

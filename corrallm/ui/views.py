@@ -17,6 +17,7 @@ SECTIONS = (
     "requests",
     "residency",
     "lanes",
+    "nodes",
     "usage",
     "activity",
     "logs",
@@ -47,6 +48,8 @@ async def section(name: str, gw: Gateway, params: dict[str, str]) -> dict[str, A
         return residency(gw)
     if name == "lanes":
         return lanes(gw)
+    if name == "nodes":
+        return nodes(gw)
     if name == "usage":
         return await usage_view(gw, params.get("range", "day"))
     if name == "logs":
@@ -125,6 +128,12 @@ def lanes(gw: Gateway) -> dict[str, Any]:
     return {"lanes": rows, "reservations": service.reservations(gw)["reservations"]}
 
 
+def nodes(gw: Gateway) -> dict[str, Any]:
+    """X6: each peer, up or down (with why), and its models with their state and their
+    backend processes there (what the peer holds), as the peer last reported them."""
+    return {"peers": service.overview(gw)["peers"], "peer_timeout": gw.config.peer_timeout}
+
+
 async def usage_view(gw: Gateway, range_name: str) -> dict[str, Any]:
     if range_name not in RANGES:
         range_name = "day"
@@ -193,7 +202,9 @@ def _readable(body: str | None, encoding: str | None) -> str:
 def logs(gw: Gateway, model: str | None) -> dict[str, Any]:
     names = [s.name for s in gw.served]
     chosen = model if model in names else (names[0] if names else None)
-    data = service.model_logs(gw, chosen, 200) if chosen else {"lines": []}
+    # No model at all (a gateway whose models all come from peers not yet connected).
+    empty: dict[str, Any] = {"lines": [], "n_ctx": None, "n_slots": None}
+    data = service.model_logs(gw, chosen, 200) if chosen else empty
     backend = gw.models[chosen].primary.endpoint.id if chosen else None
     return {"models": names, "model": chosen, "backend": backend, **data}
 

@@ -319,3 +319,51 @@ def test_D1_C1_small_costs_show_their_magnitude_not_zeros(gateway_factory, signe
     api_rows = [r["backend"] for r in gw.api("GET", "economics").json()["rows"]]
     ledger = section(client, "economics")
     assert api_rows and all(f'data-econ="{b}"' in ledger for b in api_rows)
+
+
+# -- X6: the Nodes section ----------------------------------------------------------------
+
+NODE = f"""
+models:
+  m:
+    backends: [{{cmd: "{fake_cmd()}", proxy: "${{PORT}}"}}]
+"""
+
+
+def peered(gateway_factory, tmp_path):
+    """A second node serving `m`, and a gateway that lists it as peer `b`: (node, gateway)."""
+    node = gateway_factory(NODE, home=tmp_path / "node")
+    config = f"peerTimeout: 2s\npeers: {{b: {{url: '{node.url}', token: '{node.token}'}}}}\n"
+    return node, gateway_factory(config, home=tmp_path / "gateway")
+
+
+def test_X6_nodes_section_says_plainly_when_no_peer_is_configured(gw, signed_in):
+    html = section(signed_in(gw), "nodes")
+    assert "No peers configured" in html and "<code>peers</code>" in html
+    assert "<table" not in html and "data-peer=" not in html
+    assert '<section id="nodes"' in signed_in(gw).get("/").text
+
+
+def test_X6_nodes_section_shows_a_peer_up_with_its_models_then_down(
+    gateway_factory, tmp_path, signed_in
+):
+    node, gw = peered(gateway_factory, tmp_path)
+    client = signed_in(gw)
+
+    def showing(state: str, *also: str) -> str | None:
+        html = section(client, "nodes")
+        wanted = (f'data-peer="b" data-state="{state}"', *also)
+        return html if all(w in html for w in wanted) else None
+
+    html = wait_for(lambda: showing("up", 'data-backend="m@b"'), 20, 0.1, what="b up")
+    assert node.url in html and '<th scope="row">m</th>' in html
+    assert 'data-field="state">stopped<' in html and "0</span> / 1" in html
+    # A state change on the node shows here (its lifecycle, followed over its events).
+    assert node.api("POST", "models/load", {"model": "m"}).status_code == 200
+    html = wait_for(lambda: showing("up", 'data-field="state">ready<'), 15, 0.1, what="ready")
+    assert 'data-process="m#0"' in html
+
+    node.proc.kill()  # outright; its backend's group goes at the fixture's cleanup
+    html = wait_for(lambda: showing("down"), 15, 0.1, what="b down")
+    assert 'data-field="peer-error"' in html and "last reported" in html
+    assert 'data-backend="m@b"' in html  # what it served, as it last said

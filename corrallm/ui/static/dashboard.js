@@ -7,6 +7,10 @@
   const live = document.getElementById("live");
   const pending = new Set();
   let timer = null;
+  // Sections re-fetched on every load pass (the peers' state has no event of its own here)
+  // keep their DOM while the server renders the same fragment, so a selection survives.
+  const POLLED = new Set(["nodes"]);
+  const shown = new Map();
 
   function say(text) { notice.textContent = text; }
 
@@ -18,6 +22,10 @@
     if (response.status === 401) { location.href = "/signin"; return; }
     if (!response.ok) return;
     const html = await response.text();
+    if (POLLED.has(name)) {
+      if (shown.get(name) === html) return;
+      shown.set(name, html);
+    }
     // A section holding what the user is doing (the playground's form and answer) takes
     // the new fragment itself and keeps its state; replacing its body would wipe both.
     if ("stateful" in section.dataset) {
@@ -68,12 +76,16 @@
   });
   on("request", () => schedule("requests"));
   on("reservation", () => schedule("lanes"));
+  // X4/X6: a peer went down or came back (its <model>@<peer> backends are in the overview).
+  on("peer", () => schedule("nodes", "overview"));
   on("queue_depth", () => schedule("usage"));
   on("admission", (data) => {
     let lanesStale = false;
     // Ages and tokens so far move while anything is held: the live table follows each pass.
     if (data.backends.some((b) => b.in_flight || b.waiting)
         || document.querySelector("#requests tr[data-request]")) schedule("requests");
+    // A peer's own lifecycle and load reach this gateway without an event: follow each pass.
+    if (document.querySelector("#nodes [data-peer]")) schedule("nodes");
     for (const b of data.backends) {
       const row = document.querySelector(`#overview tr[data-backend="${CSS.escape(b.backend)}"]`);
       if (!row) continue;
