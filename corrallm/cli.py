@@ -50,8 +50,14 @@ def serve(
         Path, typer.Option(envvar="CORRALLM_HOME", help="state folder: PID records, logs, store")
     ] = Path("~/.corrallm"),
     db: Annotated[
-        Path | None,
-        typer.Option(envvar="CORRALLM_DB", help="the SQLite store (default <home>/corrallm.db)"),
+        str | None,
+        typer.Option(
+            envvar="CORRALLM_DB",
+            metavar="PATH|URL",
+            help="the store: an SQLite file (default <home>/corrallm.db), or a "
+            "postgresql://user@host:port/dbname URL (also postgres://) for a PostgreSQL "
+            "store several gateways share",
+        ),
     ] = None,
     web_root: Annotated[
         Path | None,
@@ -98,7 +104,7 @@ def serve(
         activity_retention=retention,
         web_root=_web_root(web_root),
         config_path=path,
-        db=db.expanduser() if db else None,
+        db=db or None,
     )
     run(cfg, options)
 

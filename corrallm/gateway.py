@@ -46,7 +46,7 @@ from corrallm.residency.measure import memory_reader
 from corrallm.routing.router import Route, ServedModel
 from corrallm.scheduler.admission import Admission
 from corrallm.store.activity import ActivityLog
-from corrallm.store.db import Store
+from corrallm.store.db import store_at
 from corrallm.telemetry import Telemetry
 from corrallm.topology import Caller, Topology, build
 
@@ -61,7 +61,7 @@ class Gateway:
         config: Config,
         home: Path,
         health_timeout: float = 120.0,
-        db_path: Path | None = None,
+        db_path: Path | str | None = None,
         reservation_max_ttl: float = 300.0,
         activity_retention: float = 30 * 86400.0,
         config_path: Path | None = None,
@@ -76,7 +76,7 @@ class Gateway:
         self._tasks: set[asyncio.Task[None]] = set()
         # -- the long-lived owners ---------------------------------------------------
         self.probe = HealthProbe()
-        self.store = Store(db_path or home / "corrallm.db")
+        self.store = store_at(db_path or home / "corrallm.db")  # X5: a URL is PostgreSQL
         self.activity = ActivityLog(self.store)
         self.ledger = Ledger(config, self.activity)
         self.events = EventBus()
@@ -219,6 +219,7 @@ class Gateway:
         self.residency.reader = await asyncio.to_thread(memory_reader)
         await recover(self.home, self.supervisors)
         await self.pauses.restore()
+        self.background(self.pauses.follow())  # X5: other gateways' pauses (shared store)
         await self.nodes.start()
         self.preload()
         self.background(reaper(self.admission, self.telemetry, self.residency, self.pauses))
@@ -244,6 +245,7 @@ class Gateway:
             await self.economics.stop()
         finally:
             try:
+                await self.ledger.flush()  # X5: spend settlements queued for a shared store
                 await self.activity.flush()
             finally:
                 await self.store.close()

@@ -26,7 +26,7 @@ class ServeOptions:
     home: Path
     health_timeout: float
     config_path: Path | None
-    db: Path | None = None
+    db: Path | str | None = None  # an SQLite file, or a postgresql:// URL (X5)
     reservation_max_ttl: float = 300.0
     activity_retention: float = 30 * 86400.0
     web_root: Path | None = None

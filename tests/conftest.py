@@ -6,6 +6,7 @@ from pathlib import Path
 import pytest
 
 from tests.support.calls import Call
+from tests.support.postgres import postgres_cluster, postgres_url  # noqa: F401 (fixtures)
 from tests.support.processes import (
     FakeBackend,
     Gateway,

@@ -3,11 +3,17 @@
 A request reserves its estimated cost before it is forwarded and holds the reservation
 until its real cost is known, so a burst of concurrent requests cannot overspend: each
 one sees the others' reservations. Pure: the clock is passed in.
+
+This is the whole story on an embedded store. Gateways sharing a PostgreSQL store reserve
+in the database instead (store/spend.py, through cost/ledger.py), and keep a window here
+only as their fallback while the database cannot be reached; `retry_after` answers the
+same question for both.
 """
 
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 
@@ -30,12 +36,7 @@ class SpendWindow:
         if over <= 1e-12:
             self.reserved += usd
             return None
-        freed = 0.0
-        for t, amount in self._spent:
-            freed += amount
-            if freed >= over:
-                return max(1.0, t + self.window - now)
-        return self.window  # even an empty window would not hold it: come back after one
+        return retry_after(self._spent, over, self.window, now)
 
     def settle(self, reserved: float, actual: float, now: float) -> None:
         """The request's real cost replaces its reservation."""
@@ -52,3 +53,16 @@ class SpendWindow:
             self._total -= self._spent.popleft()[1]
         if not self._spent:
             self._total = 0.0  # no drift from float sums
+
+
+def retry_after(
+    spent: Iterable[tuple[float, float]], over: float, window: float, now: float
+) -> float:
+    """Seconds until `over` dollars of `spent` ((t, usd), oldest first) have left a window
+    of `window` seconds: at least 1; a whole window when all of it would not be enough."""
+    freed = 0.0
+    for t, amount in spent:
+        freed += amount
+        if freed >= over:
+            return max(1.0, t + window - now)
+    return window  # even an empty window would not hold it: come back after one

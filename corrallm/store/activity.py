@@ -3,7 +3,9 @@ request path by one batched writer.
 
 `record()` only appends to an in-memory list: no I/O on the hot path. A background task
 flushes the list every second (and at shutdown) in one transaction, so a crash loses at
-most the last second and, with SQLite in WAL mode, never corrupts the file.
+most the last second and, with SQLite in WAL mode, never corrupts the file. The same
+statements run on a shared PostgreSQL store (SPEC §19 X5), where each gateway's writer adds
+its rows, and its rollup sums, to the same tables: the upserts add, so the hours add up.
 """
 
 from __future__ import annotations
@@ -69,7 +71,7 @@ _ADDED = tuple(COLUMNS.index(c) for c in _SUMS[1:-1])  # summed as they are, eve
 
 
 def _upsert(table: str, identity: str) -> str:
-    added = ", ".join(f"{c} = {c} + excluded.{c}" for c in _SUMS)
+    added = ", ".join(f"{c} = {table}.{c} + excluded.{c}" for c in _SUMS)
     return (
         f"INSERT INTO {table} VALUES ({', '.join('?' * 10)}) "
         f"ON CONFLICT ({identity}) DO UPDATE SET {added}"
@@ -101,10 +103,16 @@ def rollups(rows: Sequence[Sequence[Any]]) -> tuple[list[tuple[Any, ...]], list[
             else:
                 for i, value in enumerate(delta):
                     sums[i] += value
+    # In key order: writers sharing a store lock the rollup rows they add to in the same
+    # order, so two flushes at once wait for each other instead of deadlocking.
     return (
-        [(*identity, *sums) for identity, sums in by_key.items()],
-        [(*identity, *sums) for identity, sums in by_model.items()],
+        [(*identity, *sums) for identity, sums in sorted(by_key.items(), key=_order)],
+        [(*identity, *sums) for identity, sums in sorted(by_model.items(), key=_order)],
     )
+
+
+def _order(item: tuple[tuple[Any, ...], list[Any]]) -> tuple[str, ...]:
+    return tuple(map(str, item[0]))  # any total order does (a bad row may hold a None)
 
 
 async def write(store: Store, rows: Sequence[Sequence[Any]]) -> None:

@@ -4,7 +4,9 @@ Every range is half-open, `since <= t < until`, in unix seconds. Usage sums read
 UTC hours from the hourly rollups (`usage_key_hour`, `usage_model_hour`, kept by the
 activity writer) and the raw `activity` rows of the partial hours at either end, so a
 30-day range reads a row per hour and combination, not one per request (every raw
-read goes through the `activity_t` index, named so that no plan can pick another).
+read goes through the `activity_t` index, named on SQLite so that no plan can pick
+another). The statements are the same on both dialects: what differs (index hints, integer
+truncation) comes from the store's dialect (`store/dialect.py`).
 Series buckets are aligned to multiples of their length since the epoch (a day bucket
 starts at 00:00 UTC); a bucket that is not a whole number of hours is summed from the
 raw rows.
@@ -20,6 +22,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from corrallm.store.db import Store
+from corrallm.store.dialect import SQLITE, Dialect
 
 HOUR = 3600
 SUM_FIELDS = ("requests", "prompt_tokens", "completion_tokens", "bytes", "energy_wh", "cost_usd")
@@ -33,8 +36,8 @@ FLAGS = ("estimated", "degraded", "spilled", "preempted")
 # One activity row as rollup columns, for the partial hours: the writer's arithmetic
 # (`activity.rollups`).
 _RAW = (
-    "kind = 'request', prompt_tokens, completion_tokens, bytes, energy_wh, cost_usd, "
-    "CASE WHEN kind = 'request' THEN dwell_ms ELSE 0 END"
+    "CASE WHEN kind = 'request' THEN 1 ELSE 0 END, prompt_tokens, completion_tokens, bytes, "
+    "energy_wh, cost_usd, CASE WHEN kind = 'request' THEN dwell_ms ELSE 0 END"
 )
 _ROLLED = "requests, prompt_tokens, completion_tokens, bytes, energy_wh, cost_usd, dwell_ms"
 _SUMS = (
@@ -60,16 +63,17 @@ def whole_hours(since: float, until: float, bucket: int = HOUR) -> tuple[float, 
     return h0, h1
 
 
-def _union(table: str, rolled: str, raw: str) -> str:
+def _union(table: str, rolled: str, raw: str, dialect: Dialect = SQLITE) -> str:
     """The rows to sum, as one subquery: rollup hours plus the raw rows at both ends.
 
     Parameters, in order: h0, h1, since, h0, h1, until."""
+    activity = f"activity {dialect.indexed('activity_t')}"
     return f"""
         SELECT {rolled}, {_ROLLED} FROM {table} WHERE hour >= ? AND hour < ?
         UNION ALL
-        SELECT {raw}, {_RAW} FROM activity INDEXED BY activity_t WHERE t >= ? AND t < ?
+        SELECT {raw}, {_RAW} FROM {activity} WHERE t >= ? AND t < ?
         UNION ALL
-        SELECT {raw}, {_RAW} FROM activity INDEXED BY activity_t WHERE t >= ? AND t < ?
+        SELECT {raw}, {_RAW} FROM {activity} WHERE t >= ? AND t < ?
     """
 
 
@@ -89,10 +93,11 @@ def _sums(row: Any) -> dict[str, Any]:
 
 async def usage_by_key(store: Store, since: float, until: float) -> list[dict[str, Any]]:
     """Sums per (key, group); `key` is None for requests made without one."""
+    union = _union("usage_key_hour", "key, grp", "COALESCE(key, ''), grp", store.dialect)
     sql = f"""
         SELECT NULLIF(key, '') AS key, grp, {_SUMS}
-        FROM ({_union("usage_key_hour", "key, grp", "IFNULL(key, ''), grp")})
-        GROUP BY key, grp ORDER BY key, grp
+        FROM ({union}) AS u
+        GROUP BY key, grp ORDER BY key NULLS FIRST, grp
     """
     rows = await store.query(sql, _args(since, until))
     return [{"key": r["key"], "group": r["grp"], **_sums(r)} for r in rows]
@@ -102,7 +107,7 @@ async def usage_rollup(store: Store, since: float, until: float) -> list[dict[st
     """Sums per (group, model)."""
     sql = f"""
         SELECT grp, model, {_SUMS}
-        FROM ({_union("usage_model_hour", "grp, model", "grp, model")})
+        FROM ({_union("usage_model_hour", "grp, model", "grp, model", store.dialect)}) AS u
         GROUP BY grp, model ORDER BY grp, model
     """
     rows = await store.query(sql, _args(since, until))
@@ -132,10 +137,10 @@ async def usage_series(
     """Sums per aligned bucket (and group). Every bucket of the range is there: one with no
     activity has zero sums (for each group seen in the range, when `by_group`)."""
     group = ", grp" if by_group else ""
-    rolled, raw = "hour / ? * ? AS b, grp", "CAST(t AS INTEGER) / ? * ?, grp"
+    rolled, raw = "hour / ? * ? AS b, grp", f"{store.dialect.floor_to('t', '?')}, grp"
     sql = f"""
         SELECT b{group}, {_SUMS}
-        FROM ({_union("usage_model_hour", rolled, raw)})
+        FROM ({_union("usage_model_hour", rolled, raw, store.dialect)}) AS u
         GROUP BY b{group}
     """
     h0, h1 = whole_hours(since, until, bucket)
@@ -165,11 +170,12 @@ async def queue_depth(
 ) -> list[dict[str, Any]]:
     """Per aligned bucket and backend, the peak `waiting` and `in_flight` of its samples.
     Buckets with no sample (corrallm was not running) are left out."""
+    dialect = store.dialect
     rows = await store.query(
-        """
-        SELECT CAST(t AS INTEGER) / ? * ? AS b, backend,
+        f"""
+        SELECT {dialect.floor_to("t", "?")} AS b, backend,
                MAX(waiting) AS waiting, MAX(in_flight) AS in_flight
-        FROM queue_depth INDEXED BY queue_depth_t WHERE t >= ? AND t < ?
+        FROM queue_depth {dialect.indexed("queue_depth_t")} WHERE t >= ? AND t < ?
         GROUP BY b, backend ORDER BY b, backend
         """,
         (bucket, bucket, since, until),

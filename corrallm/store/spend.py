@@ -1,0 +1,184 @@
+"""Spend windows in the store (SPEC §6 S6, §19 X5; migration 8): the statements the ledger
+(cost/ledger.py) runs for lanes with a `spendLimit`.
+
+On a shared store the `spend` table holds every gateway's reservations and spending, so
+a limit holds across them. A reservation is one transaction: an advisory lock on the lane
+(`pg_advisory_xact_lock`), then one statement that sums the window's spending and the live
+reservations and inserts the new one only if it still fits. Two gateways reserving for the
+same lane at once take turns on the lock, and the second sees the first's reservation
+(its statement starts after the lock is granted, so it reads everything committed before):
+the lane never goes over its limit by more than what its requests cost beyond their
+estimates. A reservation counts until it is settled (its row becomes the real cost, spent
+then) or until it `expires` (a gateway killed before settling cannot hold a lane for ever).
+
+Settling and load costs are written off the request path by `SpendLog`, a small batched
+writer that flushes as soon as there is something to write.
+
+An embedded store keeps its windows in memory (cost/spend.py); `recent_costs` rebuilds
+them from the activity rows at boot.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from corrallm.store.db import Store
+
+log = logging.getLogger("corrallm.store")
+
+# A reservation not settled after this long is no longer counted: longer than any request
+# (its gateway died). Rows of both kinds are pruned once out of their window.
+RESERVATION_SECONDS = 15 * 60.0
+RETRY_SECONDS = 1.0  # SpendLog: a failed flush is tried again after this long
+FLUSH_SECONDS = 5.0  # SpendLog: how long shutdown waits for the last writes
+
+_USED = """
+    SELECT COALESCE(SUM(CASE WHEN state = 'spent' THEN usd ELSE 0 END), 0) AS spent,
+           COALESCE(SUM(CASE WHEN state = 'reserved' THEN usd ELSE 0 END), 0) AS reserved
+    FROM spend
+    WHERE grp = ? AND (state = 'spent' AND t > ? OR state = 'reserved' AND expires > ?)
+"""
+# Parameters: the lane, window start, now (_USED); the lane, now, usd, gateway, expiry;
+# usd, limit. The 1e-12 is SpendWindow's: float sums must not refuse an exact fit.
+_RESERVE = f"""
+    WITH used AS ({_USED}),
+    kept AS (
+        INSERT INTO spend (grp, t, usd, state, gateway, expires)
+        SELECT ?, ?, ?, 'reserved', ?, ? FROM used
+        WHERE used.spent + used.reserved + ? <= ? + 1e-12
+        RETURNING id
+    )
+    SELECT used.spent AS spent, used.reserved AS reserved, (SELECT id FROM kept) AS id
+    FROM used
+"""
+_SETTLE = "UPDATE spend SET state = 'spent', usd = ?, t = ?, expires = NULL WHERE id = ?"
+_ADD = "INSERT INTO spend (grp, t, usd, state, gateway) VALUES (?, ?, ?, 'spent', ?)"
+
+
+@dataclass(frozen=True)
+class Reserved:
+    id: int | None  # the reservation's row; None: it did not fit
+    spent: float  # the window's spending, every gateway's, when it was checked
+    reserved: float  # live reservations then, every gateway's (this one not included)
+
+
+async def reserve(
+    store: Store, group: str, usd: float, limit: float, window: float, now: float, gateway: str
+) -> Reserved:
+    """Reserve `usd` for the lane `group` if its window (`window` seconds to `now`) still
+    has room under `limit`, atomically across every gateway sharing `store`."""
+    used = (group, now - window, now)
+    rows = await store.transact(
+        [
+            ("SELECT pg_advisory_xact_lock(hashtext(?))", (f"corrallm.spend:{group}",)),
+            (_RESERVE, (*used, group, now, usd, gateway, now + RESERVATION_SECONDS, usd, limit)),
+        ]
+    )
+    row = rows[0]
+    return Reserved(row["id"], float(row["spent"]), float(row["reserved"]))
+
+
+async def spending(store: Store, group: str, since: float) -> list[tuple[float, float]]:
+    """The lane's spending after `since`, as (t, usd), oldest first."""
+    rows = await store.query(
+        "SELECT t, usd FROM spend WHERE grp = ? AND state = 'spent' AND t > ? ORDER BY t",
+        (group, since),
+    )
+    return [(r["t"], r["usd"]) for r in rows]
+
+
+async def spent(store: Store, group: str, since: float) -> float:
+    """The lane's spending after `since`, every gateway's."""
+    rows = await store.query(
+        "SELECT COALESCE(SUM(usd), 0) AS usd FROM spend "
+        "WHERE grp = ? AND state = 'spent' AND t > ?",
+        (group, since),
+    )
+    return float(rows[0]["usd"])
+
+
+async def prune(store: Store, group: str, before: float, now: float) -> None:
+    """Forget the lane's spending from before `before` and its expired reservations."""
+    await store.execute(
+        "DELETE FROM spend WHERE grp = ? "
+        "AND (state = 'spent' AND t <= ? OR state = 'reserved' AND expires <= ?)",
+        (group, before, now),
+    )
+
+
+async def recent_costs(store: Store, group: str, since: float) -> list[tuple[float, float]]:
+    """What the lane's activity rows cost since `since`, per minute: (minute, usd), oldest
+    first (an embedded store's windows, rebuilt at boot)."""
+    dialect = store.dialect
+    rows = await store.query(
+        f"SELECT {dialect.floor_to('t', 60)} AS minute, SUM(cost_usd) AS usd "
+        f"FROM activity {dialect.indexed('activity_grp_t')} WHERE grp = ? AND t >= ? "
+        "GROUP BY minute ORDER BY minute",
+        (group, since),
+    )
+    return [(r["minute"], r["usd"] or 0.0) for r in rows]
+
+
+class SpendLog:
+    """Settlements and load costs on their way to a shared store: `settle` and `add` only
+    queue (no I/O on the request path); a task started on demand writes the queue in one
+    transaction, and whatever arrived meanwhile in the next. A failed write is kept and
+    tried again (the database may be down: spending reaches it once it is back)."""
+
+    def __init__(self, store: Store, gateway: str) -> None:
+        self.store = store
+        self.gateway = gateway
+        self._settled: list[tuple[float, float, int]] = []
+        self._added: list[tuple[str, float, float, str]] = []
+        self._writer: asyncio.Task[None] | None = None
+
+    def settle(self, reservation: int, usd: float, now: float) -> None:
+        self._settled.append((usd, now, reservation))
+        self._start()
+
+    def add(self, group: str, usd: float, now: float) -> None:
+        self._added.append((group, now, usd, self.gateway))
+        self._start()
+
+    async def flush(self) -> None:
+        """Write what is queued (at shutdown), waiting FLUSH_SECONDS at most."""
+        if not self.pending and (self._writer is None or self._writer.done()):
+            return
+        self._start()
+        assert self._writer is not None
+        await asyncio.wait({self._writer}, timeout=FLUSH_SECONDS)
+        if not self._writer.done():
+            self._writer.cancel()
+            log.warning("spend: %d settlements not written at shutdown", self.pending)
+
+    @property
+    def pending(self) -> int:
+        return len(self._settled) + len(self._added)
+
+    def _start(self) -> None:
+        if self._writer is None or self._writer.done():
+            self._writer = asyncio.get_running_loop().create_task(self._drain())
+
+    async def _drain(self) -> None:
+        while self.pending:
+            try:
+                await self._write()
+            except Exception as exc:
+                log.warning("spend: writing %d settlements failed: %s; retrying", self.pending, exc)
+                await asyncio.sleep(RETRY_SECONDS)
+
+    async def _write(self) -> None:
+        settled, added = self._settled, self._added
+        if not settled and not added:
+            return
+        self._settled, self._added = [], []
+        batches: list[tuple[str, Sequence[Sequence[Any]]]] = [(_SETTLE, settled), (_ADD, added)]
+        try:
+            await self.store.execute_batches(batches)
+        except BaseException:
+            self._settled[:0], self._added[:0] = settled, added
+            raise
