@@ -80,6 +80,7 @@ def activity_rows(n: int, start: float, span: float, seed: int) -> Iterator[tupl
             int(r() < 0.02),
             int(r() < 0.01),
             None,
+            None if load else f"bench{i:012x}",  # request_id (migration 7)
         )
 
 

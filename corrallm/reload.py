@@ -18,6 +18,7 @@ from corrallm.config import Config, load_config, load_demo_config
 from corrallm.gateway import Gateway
 from corrallm.lifecycle.state import State
 from corrallm.residency.footprints import footprint_problems
+from corrallm.store.db import StoreUnavailable
 
 log = logging.getLogger("corrallm.reload")
 
@@ -51,6 +52,12 @@ async def reload(gateway: Gateway, config: Config) -> Report:
         if sid in after:  # its replacement never starts before the old process is gone
             after[sid].follows(retiring)
     await _pause_replacements(gateway)
+    if gateway.store.dialect.shared:
+        # X5: a model this reload added may be paused by another gateway already.
+        try:
+            await gateway.pauses.sync()
+        except StoreUnavailable as exc:
+            log.warning("shared pauses not read after the reload (next notice applies): %s", exc)
     gateway.preload()
     log.info(
         "config reloaded: kept=%s restarted=%s removed=%s added=%s",
