@@ -485,6 +485,13 @@ class _Checker:
                         "'peer' is set by corrallm on the backends it imports; list the "
                         "other node under the top-level 'peers' instead",
                     )
+                name = _map(raw).get("name")
+                if isinstance(name, str) and "@" in name:
+                    self.add(
+                        ("models", model, "backends", i, "name"),
+                        f"'{name}': '@' is kept for the backends of peers (<model>@<peer>); "
+                        "name this backend without it",
+                    )
         for name, raw in _map(self.data.get("peers")).items():
             loc: Loc = ("peers", name)
             if not _PEER_NAME.fullmatch(str(name)):

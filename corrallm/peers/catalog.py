@@ -35,6 +35,11 @@ class RemoteModel:
     aliases: tuple[str, ...]
     paused: bool
     backends: list[RemoteBackend]
+    # X2: this gateway's own requests that entered (+) or left (-) the model there since
+    # the peer last reported its load. The peer reports it once a reaper pass (a second),
+    # so without this a request of ours that just finished there would still count as
+    # holding its slot, and the next one would go to a busier backend.
+    since_report: int = 0
 
     @property
     def primary(self) -> RemoteBackend:
@@ -67,11 +72,11 @@ class RemoteModel:
         return wait
 
     def free_slot(self) -> bool:
-        """A ready backend with a slot nobody waits for."""
-        return any(
-            b.state is State.READY and b.in_flight < b.max_concurrent and not b.waiting
-            for b in self.backends
-        )
+        """A ready backend with a slot nobody waits for, counting what this gateway sent
+        or finished there since the last report."""
+        open_ = [b for b in self.backends if b.state is State.READY and not b.waiting]
+        busy = sum(b.in_flight for b in open_) + self.since_report
+        return bool(open_) and busy < sum(b.max_concurrent for b in open_)
 
 
 @dataclass
@@ -105,10 +110,13 @@ class PeerView:
                 b.state = _state(data.get("new"))
             return bool(found) or not data.get("models")
         if kind == "admission":
+            known = {b.id: (m, b) for m in self.models.values() for b in m.backends}
             for load in data.get("backends", []):
-                for b in self._backends(load.get("backend")):
+                if (hit := known.get(load.get("backend"))) is not None:
+                    m, b = hit
                     b.in_flight = int(load.get("in_flight", 0))
                     b.waiting = int(load.get("waiting", 0))
+                    m.since_report = 0  # the report counts ours as they are now
         return True
 
     def _backends(self, backend_id: object) -> list[RemoteBackend]:

@@ -65,11 +65,19 @@ class PeerEndpoint:
 
     def enter(self) -> bool:
         self.in_flight += 1
+        self._since_report(1)
         return True
 
     def leave(self) -> None:
         self.in_flight -= 1
         self.last_used = self.clock()
+        self._since_report(-1)
+
+    def _since_report(self, change: int) -> None:
+        """X2: the peer's last report of its load lags; ours is known at once."""
+        remote = self.remote
+        if remote is not None:
+            remote.since_report += change
 
     def hop_headers(self, group: str) -> dict[str, str]:
         """X3: the caller's lane, signed with the peer's token (never the caller's key)."""

@@ -16,7 +16,7 @@ import orjson
 
 from corrallm.proxy.asgi import Message, Receive, Scope, Send
 from corrallm.proxy.client import Client, Response, UpstreamTimeout
-from corrallm.proxy.errors import ApiError, bad_gateway
+from corrallm.proxy.errors import ApiError, bad_gateway, unavailable
 from corrallm.proxy.metering import Meter, split_events
 
 log = logging.getLogger("corrallm.proxy")
@@ -311,6 +311,13 @@ def upstream_failure(meter: Meter | None, backend_id: str, exc: BaseException) -
             "raise timeouts.upstreamIdle at the top level or on this backend.",
             type="api_error",
             code="upstream_timeout",
+        )
+    elif "@" in backend_id:  # a peer's backend (<model>@<peer>): only peers have an '@'
+        error = unavailable(
+            f"the peer serving '{backend_id}' broke off its answer: "
+            f"{exc or type(exc).__name__}. That node's own log (its GET "
+            "/api/v1/models/logs) may say why; retry: other backends serve the model.",
+            code="peer_down",
         )
     else:
         error = bad_gateway(

@@ -298,9 +298,14 @@ class Pipeline:
                     if exc.code == RETIRED and gw.stale(ticket.route):
                         continue  # nothing was sent: route it again (above)
                     endpoint = ticket.route.endpoint
-                    if isinstance(endpoint, PeerEndpoint) and exc.code == "backend_error":
+                    if (
+                        isinstance(endpoint, PeerEndpoint)
+                        and exc.code in ("backend_error", "peer_down")
+                        and flight.peer_failures < MAX_PEER_FAILURES
+                    ):
                         # X4: the peer's connection failed before it answered: down now,
                         # and this request goes to another backend (above).
+                        flight.peer_failures += 1
                         gw.nodes.suspect(endpoint.peer, exc.message)
                         continue
                     raise
@@ -356,6 +361,7 @@ class _Flight:
     interrupted: Interrupted | None
     live: LiveRequest
     hop: bool = False  # it came from another gateway: never forwarded to a peer (X1)
+    peer_failures: int = 0  # peers that failed it before answering (X4), each routed past
     narrator: Narrator | None = None
     waited: Waited = field(default_factory=Waited)
 
@@ -455,6 +461,10 @@ async def enter_ready(route: Route, cause: Cause | None = None) -> None:
         if route.endpoint.enter():
             return
 
+
+# X4: a request is routed past this many peers whose connection failed before answering
+# (a peer that keeps failing so, yet whose events stream reconnects, must not spin it).
+MAX_PEER_FAILURES = 3
 
 # S4: why a stream under way ends when a higher-priority request takes its slot.
 PREEMPTED = ApiError(

@@ -289,12 +289,9 @@ class Scheduler:
         prefer: str | None = None,
         rank: Mapping[str, tuple[float, ...]] | None = None,
     ) -> Backend | None:
-        """A backend of the tier this group may enter now: the preferred one if it may (K6),
-        else the best ranked (X2), then the fewest in flight, then in turn."""
-        if prefer is not None and prefer in tier:
-            preferred = self.backends[prefer]
-            if preferred.room_for(group) and not self._waiters_fit(preferred):
-                return preferred
+        """A backend of the tier this group may enter now: among the best ranked (X2), the
+        preferred one if it may (K6), else the fewest in flight, then in turn. A rank
+        comes first: a conversation does not wait on a busy peer while another is free."""
         open_ = [
             self.backends[b]
             for b in tier
@@ -305,6 +302,8 @@ class Scheduler:
         if rank is not None:
             best = min(rank[b.id] for b in open_)
             open_ = [b for b in open_ if rank[b.id] == best]
+        if prefer is not None and any(b.id == prefer for b in open_):
+            return self.backends[prefer]
         self._turn += 1
         fewest = min(len(b.running) for b in open_)
         ties = [b for b in open_ if len(b.running) == fewest]

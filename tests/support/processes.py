@@ -162,11 +162,13 @@ def start_gateway(
     health_timeout: str = "20s",
     env: dict[str, str] | None = None,
     wait: bool = True,
+    port: int | None = None,
 ) -> Gateway:
+    """`port`: listen there (a node restarted where its peers look for it), else a free one."""
     config = tmp / f"corrallm-{time.monotonic_ns()}.yaml"
     config.write_text(config_text)
     home = home or tmp / "home"
-    port = free_port()
+    port = port or free_port()
     log_path = tmp / f"corrallm-{port}.log"
     full_env = {
         **os.environ,
