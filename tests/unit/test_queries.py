@@ -19,8 +19,9 @@ from hypothesis import strategies as st
 from corrallm.api.usage import parse_bucket, parse_time, time_range
 from corrallm.proxy.errors import ApiError
 from corrallm.store import activity, queries
-from corrallm.store.activity import COLUMNS, Activity, ActivityLog
+from corrallm.store.activity import COLUMNS, Activity
 from corrallm.store.db import MIGRATIONS, Store, StoreUnavailable
+from tests.support.activity_rows import load, req, write
 
 H = 3600
 T0 = 1_767_225_600  # 2026-01-01T00:00:00Z, a whole day (and hour) since the epoch
@@ -32,21 +33,6 @@ async def store(tmp_path):
     await s.open()
     yield s
     await s.close()
-
-
-def req(t: float, key: str | None = "alice", grp: str = "team", model: str = "m", **kw: Any):
-    return Activity(t, "request", key, grp, model, f"{model}#0", "/v1/chat/completions", 200, **kw)
-
-
-def load(t: float, key: str | None = "alice", grp: str = "team", model: str = "m", **kw: Any):
-    return Activity(t, "load", key, grp, model, f"{model}#0", "load", 200, **kw)
-
-
-async def write(store: Store, *rows: Activity) -> None:
-    log = ActivityLog(store)
-    for row in rows:
-        log.record(row)
-    await log.flush()
 
 
 def sums(requests=0, prompt=0, completion=0, nbytes=0, wh=0.0, usd=0.0, dwell=None):

@@ -23,6 +23,7 @@ from corrallm.store.activity import COLUMNS, Activity, ActivityLog
 from corrallm.store.db import Store, StoreUnavailable, store_at
 from corrallm.store.dialect import POSTGRES, SQLITE
 from corrallm.store.schema import SCHEMA
+from tests.support.activity_rows import req, write
 from tests.support.postgres import POSTGRES_TIER, Cluster
 
 H = 3600
@@ -98,17 +99,6 @@ async def columns(store: Store) -> dict[str, list[str]]:
     for r in rows:
         found.setdefault(r["table_name"], []).append(r["column_name"])
     return found
-
-
-def req(t: float, key: str | None = "alice", grp: str = "team", model: str = "m", **kw: Any):
-    return Activity(t, "request", key, grp, model, f"{model}#0", "/v1/chat/completions", 200, **kw)
-
-
-async def write(store: Store, *rows: Activity) -> None:
-    log = ActivityLog(store)
-    for row in rows:
-        log.record(row)
-    await log.flush()
 
 
 # -- the dialect (pure) ------------------------------------------------------------------
