@@ -669,6 +669,14 @@ class Bench:
         return {**res, "cpu": w.result}
 
 
+def frame_table(frames: list[tuple[str, int, int]], samples: int) -> list[str]:
+    """A profile's top frames as a Markdown table (own and total share of the samples)."""
+    rows = ["| own % | total % | frame |", "|---:|---:|---|"]
+    for frame, own, total in frames:
+        rows.append(f"| {100 * own / samples:.1f} | {100 * total / samples:.1f} | `{frame}` |")
+    return [*rows, ""]
+
+
 def top_frames(raw: Path, n: int = 15) -> tuple[list[tuple[str, int, int]], int]:
     """py-spy's raw (collapsed) stacks: the `n` frames with the most own samples, each with
     its own and total (inclusive) samples; and the sample count."""
@@ -910,12 +918,8 @@ def report(
             f"{args.profile_seconds} s ({samples} samples of non-idle threads, "
             f"{_f(prof.get('rps'), 0)} req/s meanwhile)",
             "",
-            "| own % | total % | frame |",
-            "|---:|---:|---|",
+            *frame_table(frames, samples),
         ]
-        for frame, own, total in frames:
-            out.append(f"| {100 * own / samples:.1f} | {100 * total / samples:.1f} | `{frame}` |")
-        out.append("")
     elif prof:
         notes.append(f"profile: {prof['error']}")
     out += [f"- {n}" for n in notes]

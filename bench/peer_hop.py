@@ -407,12 +407,8 @@ def report(res: dict[str, dict[str, Any]], notes: list[str], args: argparse.Name
             f"### py-spy: the gateway under wrk -c {args.concurrency} through (c), "
             f"{args.profile_seconds} s ({samples} samples, {_f(prof.get('rps'), 0)} req/s)",
             "",
-            "| own % | total % | frame |",
-            "|---:|---:|---|",
+            *ov.frame_table(frames, samples),
         ]
-        for frame, own, total in frames:
-            out.append(f"| {100 * own / samples:.1f} | {100 * total / samples:.1f} | `{frame}` |")
-        out.append("")
     elif prof:
         notes.append(f"profile: {prof['error']}")
     out += [f"- {n}" for n in notes]
