@@ -46,7 +46,7 @@ from corrallm.residency.measure import memory_reader
 from corrallm.routing.router import Route, ServedModel
 from corrallm.scheduler.admission import Admission
 from corrallm.store.activity import ActivityLog
-from corrallm.store.db import store_at
+from corrallm.store.location import store_at
 from corrallm.telemetry import Telemetry
 from corrallm.topology import Caller, Topology, build
 

@@ -6,7 +6,7 @@ class is its embedded implementation: one SQLite file under the home folder (WAL
 one owner thread. Every statement runs on that thread, so the event loop never blocks on
 disk and there is exactly one writer. `PostgresStore` (store/postgres.py) is the shared
 one, for several gateways: same methods, same statements, its dialect translating them.
-`store_at(db)` picks one from `--db`.
+`store/location.py`'s `store_at(db)` picks one from `--db`.
 
 The schema is versioned: `MIGRATIONS[i]` takes the file from version i to i+1 (kept in
 `PRAGMA user_version`), applied in order at open, each in one transaction; they are
@@ -59,16 +59,6 @@ def _file_fix(path: Path, reason: str) -> str:
     if "readonly" in reason or "read-only" in reason or "permission" in reason:
         return f"make {path} and its folder writable by corrallm"
     return f"check the disk and the file {path}"
-
-
-def store_at(db: Path | str) -> Store:
-    """The store `--db` names: a `postgresql://` (or `postgres://`) URL is a shared
-    PostgreSQL store, anything else the path of an SQLite file."""
-    if isinstance(db, str) and db.startswith(URL_SCHEMES):
-        from corrallm.store.postgres import PostgresStore  # psycopg: the `postgres` extra
-
-        return PostgresStore(db)
-    return Store(Path(db).expanduser())
 
 
 def newer_schema(where: object, found: int) -> RuntimeError:

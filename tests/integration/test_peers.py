@@ -63,6 +63,14 @@ F = f"""
         proxy: "${{PORT}}"
         maxConcurrent: 1
 """
+# Only node c serves s: speech to text, for uploads across the hop.
+S = f"""
+  s:
+    backends:
+      - cmd: "{fake_cmd()}"
+        proxy: "${{PORT}}"
+        type: stt
+"""
 _conversations = itertools.count()
 
 
@@ -151,7 +159,7 @@ def started(tmp: Path, configs: dict[str, str]) -> Iterator[Cluster]:
 def _cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     configs = {
         "b": f"{GROUPS}capture: {{bodies: all}}\nmodels:{M}{F}",
-        "c": f"{GROUPS}models:{M}",
+        "c": f"{GROUPS}capture: {{bodies: all}}\nmodels:{M}{S}",
     }
     with started(tmp_path_factory.mktemp("peers"), configs) as c:
         yield c
@@ -740,3 +748,45 @@ def test_X4_a_hung_node_is_marked_down_within_peer_timeout(cluster: Cluster, str
     wait_for(lambda: events.states(victim) == ["down", "up"], 5, what="peer events")
     events.close()
     assert events.states(survivor) == []
+
+
+def test_X1_uploads_and_anthropic_messages_cross_the_hop_unchanged(cluster: Cluster) -> None:
+    """An audio upload goes to the node byte for byte (multipart as sent), and /v1/messages
+    is sent as /v1/messages (the node speaks every dialect), both in the caller's lane."""
+    g, c = cluster.gateway, cluster.node("c")
+    load(cluster, "c")
+    audio = b"RIFF0000" + bytes(range(256)) * 4
+    with sdk(g) as client:
+        raw = client.audio.transcriptions.with_raw_response.create(model="s", file=("a.wav", audio))
+    assert served_by(raw)[-1] == "s@c"
+    assert raw.parse().text.startswith("This is a fake transcript")
+    # The node names the request with its own id: its row is the model's last.
+    rows = wait_for(lambda: activity(c, "s") or None, 10, what="the node's row for s")
+    assert (rows[-1]["endpoint"], rows[-1]["group"], rows[-1]["key"]) == (
+        "/v1/audio/transcriptions",
+        "gold",
+        None,
+    )
+    upload = c.api("GET", f"captures/{rows[-1]['request_id']}").json()
+    assert upload["request_bytes"] == int(raw.http_request.headers["content-length"])
+
+    anthropic = pytest.importorskip("anthropic")
+    before = last_id(c, "m")
+    with anthropic.Anthropic(base_url=g.url, api_key="gold-key", max_retries=0) as client:
+        message = client.messages.create(
+            model="m", max_tokens=3, messages=[{"role": "user", "content": "hi there"}]
+        )
+        with client.messages.stream(
+            model="m", max_tokens=3, messages=[{"role": "user", "content": "hi again"}]
+        ) as stream:
+            streamed = stream.get_final_message()
+    assert message.content[0].text and streamed.content[0].text  # type: ignore[union-attr]
+    rows = wait_for(
+        lambda: activity(c, "m", after=before)[1:] and activity(c, "m", after=before),
+        10,
+        what="two rows",
+    )
+    assert [(r["endpoint"], r["group"], r["key"]) for r in rows] == [
+        ("/v1/messages", "gold", None),
+        ("/v1/messages", "gold", None),
+    ]

@@ -20,8 +20,9 @@ from corrallm.cost.ledger import Ledger, Visit
 from corrallm.lifecycle.pauses import Pausable, Pauses
 from corrallm.store import activity, db, economics, footprints, pauses, queries, spend
 from corrallm.store.activity import COLUMNS, Activity, ActivityLog
-from corrallm.store.db import Store, StoreUnavailable, store_at
+from corrallm.store.db import Store, StoreUnavailable
 from corrallm.store.dialect import POSTGRES, SQLITE
+from corrallm.store.location import store_at
 from corrallm.store.schema import SCHEMA
 from tests.support.activity_rows import req, write
 from tests.support.postgres import POSTGRES_TIER, Cluster
