@@ -11,8 +11,12 @@ BIN    := $(VENV)/bin
 run: $(VENV)/.installed
 	$(BIN)/corrallm serve
 
+# The suite runs in TEST_JOBS pytest-xdist workers: its tests mostly wait on real processes,
+# so two workers on two cores take 12 minutes where one took 16 (TEST_JOBS=0: one process).
+TEST_JOBS ?= 2
+
 test: $(VENV)/.installed-dev lint typecheck
-	$(BIN)/pytest
+	$(BIN)/pytest -n $(TEST_JOBS)
 
 lint: $(VENV)/.installed-dev
 	$(BIN)/ruff check .
@@ -26,7 +30,7 @@ typecheck: $(VENV)/.installed-dev
 	$(BIN)/mypy
 
 unit integration e2e: $(VENV)/.installed-dev
-	$(BIN)/pytest tests/$@
+	$(BIN)/pytest -n $(TEST_JOBS) tests/$@
 
 bench: $(VENV)/.installed-dev
 	$(BIN)/python bench/overhead.py
