@@ -131,12 +131,7 @@ class CorrallmApp:
     def _hop(self, scope: Scope, exchange: Exchange) -> None:
         """X3: a request another gateway forwarded carries its caller's lane, signed with
         this node's admin token; trusted only if the signature checks out and is fresh."""
-        lane = signature = None
-        for name, value in scope["headers"]:
-            if name == lanes.LANE:
-                lane = value
-            elif name == lanes.SIGNATURE:
-                signature = value
+        lane, signature = header(scope, lanes.LANE), header(scope, lanes.SIGNATURE)
         if lane is None and signature is None:
             return
         exchange.hop = True

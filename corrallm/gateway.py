@@ -170,7 +170,11 @@ class Gateway:
         self.events.publish("peer", view.view())
         if not view.up:
             self.admission.evacuate(
-                {r.id for r in self.routes.values() if getattr(r.endpoint, "peer", None) is view}
+                {
+                    r.id
+                    for r in self.routes.values()
+                    if isinstance(r.endpoint, PeerEndpoint) and r.endpoint.peer is view
+                }
             )
 
     def stale(self, route: Route) -> bool:

@@ -20,7 +20,7 @@ from corrallm.lifecycle.addresses import resolve_url
 from corrallm.lifecycle.pauses import Kind, Pausable
 from corrallm.lifecycle.remote import RemoteEndpoint
 from corrallm.lifecycle.supervisor import Supervisor
-from corrallm.peers.catalog import RemoteModel
+from corrallm.peers.catalog import PeerView, RemoteModel
 from corrallm.peers.nodes import Nodes
 from corrallm.residency.footprints import Footprint
 from corrallm.residency.manager import Tenancy
@@ -192,36 +192,39 @@ def _tenancy(
     )
 
 
-def _remote_models(config: Config, nodes: Nodes | None) -> dict[str, list[tuple[str, RemoteModel]]]:
+def _remote_models(
+    config: Config, nodes: Nodes | None
+) -> dict[str, list[tuple[PeerView, RemoteModel]]]:
     """Each model some peer serves: [(peer, what it serves)], peers in config order."""
-    found: dict[str, list[tuple[str, RemoteModel]]] = {}
+    found: dict[str, list[tuple[PeerView, RemoteModel]]] = {}
     if nodes is None:
         return found
-    for peer in config.peers:
-        view = nodes.views.get(peer)
-        for remote in view.models.values() if view is not None else ():
-            found.setdefault(remote.name, []).append((peer, remote))
+    for view in (nodes.views[peer] for peer in config.peers if peer in nodes.views):
+        for remote in view.models.values():
+            found.setdefault(remote.name, []).append((view, remote))
     return found
 
 
-def _with_peers(config: Config, local: Model | None, found: list[tuple[str, RemoteModel]]) -> Model:
+def _with_peers(
+    config: Config, local: Model | None, found: list[tuple[PeerView, RemoteModel]]
+) -> Model:
     """The model with its peers' backends (X1): each after the local backends of its type
     and quality (before them with `peerOrder: first`), else after all of them. A model
     served only by peers takes the first peer's aliases."""
     backends = list(local.backends) if local is not None else []
     first = config.peer_order == "first"
-    for peer, remote in found:
+    for view, remote in found:
         b = remote.primary
         backend = Backend(
-            name=f"{remote.name}@{peer}",
-            proxy=nodes_url(config, peer),
+            name=f"{remote.name}@{view.name}",
+            proxy=view.url,
             model=remote.name,  # a caller may have named a local alias
             type=b.type,
             quality=b.quality,
             max_concurrent=remote.capacity,
-            modes=sorted({m for x in remote.backends for m in x.modes}),
+            modes=list(remote.modes),
             apis=["openai", "anthropic", "responses"],  # a corrallm speaks every dialect
-            peer=peer,
+            peer=view.name,
         )
         same = [i for i, x in enumerate(backends) if (x.type, x.quality) == (b.type, b.quality)]
         if same:
@@ -232,7 +235,3 @@ def _with_peers(config: Config, local: Model | None, found: list[tuple[str, Remo
         return local.model_copy(update={"backends": backends})
     aliases = [{"name": a} for a in found[0][1].aliases if a not in config.models]
     return Model.model_validate({"backends": backends, "aliases": aliases, "unlisted": False})
-
-
-def nodes_url(config: Config, peer: str) -> str:
-    return config.peers[peer].url.rstrip("/")

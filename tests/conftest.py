@@ -11,8 +11,7 @@ from tests.support.processes import (
     FakeBackend,
     Gateway,
     cleanup,
-    kill_group,
-    start_fake_backend,
+    running_fake_backend,
     start_gateway,
 )
 
@@ -35,12 +34,8 @@ def gateway_factory(tmp_path: Path) -> Iterator[Callable[..., Gateway]]:
 @pytest.fixture
 def fake_backend(tmp_path: Path) -> Iterator[FakeBackend]:
     """A fake backend started by the test itself (for pure-proxy routes)."""
-    backend = start_fake_backend(tmp_path)
-    try:
+    with running_fake_backend(tmp_path) as backend:
         yield backend
-    finally:
-        kill_group(backend.proc.pid)
-        backend.proc.wait(10)
 
 
 @pytest.fixture

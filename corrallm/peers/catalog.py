@@ -55,11 +55,15 @@ class RemoteModel:
             return State.PAUSED
         return min((b.state for b in self.backends), key=BEST_FIRST.__getitem__)
 
+    @property
+    def modes(self) -> tuple[str, ...]:
+        """The STT surfaces any of its backends serves (U3)."""
+        return tuple(sorted({m for b in self.backends for m in b.modes}))
+
     def shape(self) -> tuple[Any, ...]:
         """What the gateway's routes are built from; a change rebuilds them."""
         b = self.primary
-        modes = tuple(sorted({m for x in self.backends for m in x.modes}))
-        return (self.name, self.aliases, b.quality, b.type, self.capacity, modes)
+        return (self.name, self.aliases, b.quality, b.type, self.capacity, self.modes)
 
     def expected_wait(self) -> float:
         """X2: seconds a request sent now would wait there: its queue times the average

@@ -26,7 +26,7 @@ REFRESH = 10.0  # seconds between overview reads while the stream is up
 BACKOFF_FIRST, BACKOFF_MAX = 0.2, 5.0
 KINDS = "lifecycle,admission"
 
-Changed = Callable[[PeerView, bool], None]  # (peer, its routes' shape changed)
+Changed = Callable[[PeerView, bool, bool], None]  # (peer, its routes' shape changed, up/down)
 
 
 class Follower:
@@ -83,8 +83,6 @@ class Follower:
                     if stale or time.monotonic() - refreshed > REFRESH:
                         await self._read_overview()
                         refreshed = time.monotonic()
-                    elif kind == "lifecycle":
-                        self.changed(self.view, False)
                     kind, data = "", b""
 
     async def _read_overview(self) -> None:
@@ -101,14 +99,14 @@ class Follower:
             log.info(
                 "peer=%s up url=%s models=%d", self.view.name, self.view.url, len(self.view.models)
             )
-        self.changed(self.view, before != self.view.shape() or not was_up)
+        self.changed(self.view, before != self.view.shape() or not was_up, not was_up)
 
     def _down(self, error: str) -> None:
         self.view.error = error
         if self.view.up:
             self.view.up = False
             log.warning("peer=%s down url=%s: %s", self.view.name, self.view.url, error)
-            self.changed(self.view, False)
+            self.changed(self.view, False, True)
 
 
 def _check(response: aiohttp.ClientResponse, url: str) -> None:

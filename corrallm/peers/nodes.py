@@ -31,7 +31,6 @@ class Nodes:
         self.endpoints: dict[str, PeerEndpoint] = {}
         self._configs: dict[str, Peer] = {}
         self._tasks: dict[str, asyncio.Task[None]] = {}
-        self._up: dict[str, bool] = {}
         self._session: aiohttp.ClientSession | None = None
         self._timeout = 5.0
 
@@ -61,7 +60,6 @@ class Nodes:
             if name not in self._configs:
                 self._configs[name] = peer
                 self.views[name] = PeerView(name, peer.url.rstrip("/"))
-                self._up[name] = False
                 if self._session is not None:
                     self._start(name)
 
@@ -96,7 +94,7 @@ class Nodes:
             return
         self._tasks.pop(view.name).cancel()
         view.up, view.error = False, error
-        self._changed(view, False)
+        self._changed(view, False, True)
         self._start(view.name)
 
     def _stop(self, name: str) -> None:
@@ -106,15 +104,13 @@ class Nodes:
         del self._configs[name]
         view = self.views.pop(name)
         view.up = False
-        self._up.pop(name, None)
         for key, endpoint in list(self.endpoints.items()):
             if endpoint.peer is view:  # a changed peer is a new view: never reused
                 endpoint.retired = True
                 del self.endpoints[key]
 
-    def _changed(self, view: PeerView, shape: bool) -> None:
+    def _changed(self, view: PeerView, shape: bool, moved: bool) -> None:
         if shape:
             self._rebuild()
-        if self._up.get(view.name) != view.up:
-            self._up[view.name] = view.up
+        if moved:
             self._moved(view)

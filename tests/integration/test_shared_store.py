@@ -25,8 +25,7 @@ from tests.support.processes import (
     FakeBackend,
     Gateway,
     fake_cmd,
-    kill_group,
-    start_fake_backend,
+    running_fake_backend,
     wait_for,
 )
 
@@ -54,12 +53,8 @@ models:
 def paid(tmp_path: Path) -> Iterator[FakeBackend]:
     """The paid upstream: 40 completion tokens a request, so a request with max_tokens 40
     costs exactly its estimate (the limit is then N requests' worth, no more, no less)."""
-    backend = start_fake_backend(tmp_path, "--tokens", "40")
-    try:
+    with running_fake_backend(tmp_path, "--tokens", "40") as backend:
         yield backend
-    finally:
-        kill_group(backend.proc.pid)
-        backend.proc.wait(10)
 
 
 @pytest.fixture

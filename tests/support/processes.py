@@ -265,3 +265,14 @@ def start_fake_backend(tmp: Path, *flags: str) -> FakeBackend:
 
     wait_for(healthy, 20, what="fake backend health")
     return backend
+
+
+@contextlib.contextmanager
+def running_fake_backend(tmp: Path, *flags: str) -> Iterator[FakeBackend]:
+    """A fake backend for the `with` block, its process group killed after it."""
+    backend = start_fake_backend(tmp, *flags)
+    try:
+        yield backend
+    finally:
+        kill_group(backend.proc.pid)
+        backend.proc.wait(10)
