@@ -232,8 +232,8 @@ class _Linger(asyncio.Protocol):
 class GuardedProtocol(HttpToolsProtocol):
     """uvicorn's httptools protocol with the header timeout, head size and pending cap.
 
-    Use `protocol_class(guard)`: it binds one server's `HeadGuard` to a subclass that
-    uvicorn instantiates per connection (`uvicorn.Config(http=...)` takes a class).
+    The server uses it through `connection.Connection`, bound to one server's
+    `HeadGuard` by `connection.protocol_class(guard)`.
     """
 
     guard: ClassVar[HeadGuard]
@@ -360,14 +360,3 @@ class GuardedProtocol(HttpToolsProtocol):
 
 _message_begin = HttpToolsProtocol.on_message_begin
 _headers_complete = HttpToolsProtocol.on_headers_complete
-
-
-def protocol_class(guard: HeadGuard) -> type[GuardedProtocol]:
-    """A `GuardedProtocol` subclass bound to `guard`, for `uvicorn.Config(http=...)`."""
-
-    class CorrallmHttpProtocol(GuardedProtocol):
-        pass
-
-    CorrallmHttpProtocol.guard = guard
-    CorrallmHttpProtocol.max_head = guard.limits.max_bytes
-    return CorrallmHttpProtocol

@@ -12,8 +12,9 @@ import uvicorn
 from corrallm.api.auth import ensure_token
 from corrallm.app import CorrallmApp
 from corrallm.config import Config
+from corrallm.connection import protocol_class
 from corrallm.gateway import Gateway
-from corrallm.head_guard import HeadGuard, HeadLimits, fds_free, protocol_class, raise_fd_limit
+from corrallm.head_guard import HeadGuard, HeadLimits, fds_free, raise_fd_limit
 
 # Open streams get this long to finish on SIGTERM/SIGINT before they are cut and every
 # backend is stopped.
@@ -84,7 +85,8 @@ def run(config: Config, options: ServeOptions) -> None:
             port=port,
             loop="uvloop",
             # uvicorn's httptools protocol with a header timeout, a head size limit and a
-            # cap on connections still sending their head (corrallm/head_guard.py).
+            # cap on connections still sending their head (corrallm/head_guard.py), a
+            # disconnect hook and a leaner response writer (corrallm/connection.py).
             http=protocol_class(HeadGuard(limits)),
             lifespan="on",
             access_log=False,

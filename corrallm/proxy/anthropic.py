@@ -135,7 +135,7 @@ async def serve(
         # S4, O1: the stream so far ends at an event boundary; say why it stops.
         await send({"type": "http.response.body", "body": error_event(error)})
 
-    watch = DisconnectWatch(receive)
+    watch = DisconnectWatch(receive, scope)
     await pipeline.run_http(inbound, work, watch, interrupted, feedback)
 
 

@@ -12,6 +12,9 @@ Send = Callable[[Message], Awaitable[None]]
 ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
 JSON = b"application/json"
+# The scope key under which corrallm's own server puts the request's connection
+# (connection.py): `scope[CONNECTION].watch(gone)` calls `gone` when the client goes away.
+CONNECTION = "corrallm.connection"
 
 
 class BodyTooLarge(Exception):

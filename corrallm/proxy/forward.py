@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Protocol
 
 import aiohttp
 import orjson
 
-from corrallm.proxy.asgi import Message, Receive, Scope, Send
+from corrallm.proxy.asgi import CONNECTION, Message, Receive, Scope, Send
 from corrallm.proxy.client import Client, Response, UpstreamTimeout
 from corrallm.proxy.errors import ApiError, bad_gateway, unavailable
 from corrallm.proxy.metering import Meter, split_events
@@ -103,25 +103,44 @@ class DisconnectWatch:
     """Cancels the request's task when its client goes away (SPEC §6 S7).
 
     Cancelling drops the upstream connection, which is how the backend learns to stop.
+    corrallm's own server tells it from the connection (`connection.Connection.watch`,
+    no task per request); any other ASGI server, by a task parked in `receive()`.
     """
 
-    def __init__(self, receive: Receive) -> None:
+    def __init__(self, receive: Receive, scope: Scope | None = None) -> None:
         self.client_gone = False
         self.finishing = False
         self._task = asyncio.current_task()
-        self._watcher = asyncio.create_task(self._watch(receive))
+        self._watcher: asyncio.Task[None] | None = None
+        self._unwatch: Callable[[], None] | None = None
+        connection = scope.get(CONNECTION) if scope is not None else None
+        if connection is not None:
+            self._unwatch = connection.watch(self._gone)
+        else:
+            self._watcher = asyncio.create_task(self._watch(receive))
 
     async def _watch(self, receive: Receive) -> None:
         while True:
             message = await receive()
             if message["type"] == "http.disconnect":
                 break
+        self._gone()
+
+    def _gone(self) -> None:
         if not self.finishing and self._task is not None:
             self.client_gone = True
             self._task.cancel()
 
     def close(self) -> None:
-        self._watcher.cancel()
+        # Both are dropped, not only stopped: each holds this object (the hook through
+        # `_gone`; the task through its traceback's frames), a cycle that only the
+        # cyclic collector would free.
+        if self._unwatch is not None:
+            self._unwatch()
+            self._unwatch = None
+        elif self._watcher is not None:
+            self._watcher.cancel()
+            self._watcher = None
 
     def absorb(self) -> bool:
         """In an `except CancelledError`: True if the cancel was ours and is now spent."""

@@ -186,7 +186,7 @@ async def serve_parsed(
         # S4, O1: the stream so far is complete up to an event boundary; say why it ends.
         await send({"type": "http.response.body", "body": stream_error(error)})
 
-    watch = DisconnectWatch(receive)
+    watch = DisconnectWatch(receive, scope)
     await pipeline.run_http(inbound, work, watch, interrupted, feedback)
 
 
@@ -203,7 +203,7 @@ async def upstream(
     route = pipeline.lookup(model.decode("latin-1")).tiers_for(None)[0][0]
     query = scope.get("query_string", b"")
     extra = [(b"x-corrallm-backend", route.id.encode())]
-    watch = DisconnectWatch(receive)
+    watch = DisconnectWatch(receive, scope)
     try:
         await ready(route)  # untracked: it holds no slot and never delays a drain
         url = f"{origin(route.endpoint.base_url)}/{path.decode('latin-1')}"

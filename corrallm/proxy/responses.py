@@ -136,7 +136,7 @@ async def serve(
         if under_way:
             await under_way[0].end(error.code or "error", error.message)
 
-    watch = DisconnectWatch(receive)
+    watch = DisconnectWatch(receive, scope)
     await pipeline.run_http(inbound, work, watch, interrupted, feedback)
 
 

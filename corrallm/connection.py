@@ -1,0 +1,188 @@
+"""The gateway's HTTP/1.1 connection: uvicorn's httptools protocol with the request-head
+limits (head_guard.py), a disconnect hook and a leaner response writer.
+
+Both additions are for the hot path (SPEC §13, bench/overhead.py):
+
+- **Disconnect hook.** A request being answered must learn at once that its client went
+  away (SPEC §6 S7). Through plain ASGI that takes a task per request parked in
+  `receive()`: a task created, cancelled and collected for every request, whose
+  reference cycle (task, coroutine, traceback) was nearly all of the garbage the cyclic
+  collector found on the hot path. The connection offers `watch(callback)` instead,
+  reached from the request's scope under `CONNECTION`: the callback runs in
+  `connection_lost`, with no task. Servers without it (tests driving the app in
+  process) fall back to the task (proxy/forward.py `DisconnectWatch`).
+- **Lean responses.** uvicorn checks each response header with two regular-expression
+  searches and writes the head and the body in separate `write()`s: two syscalls, two
+  segments for a small answer. `LeanCycle` checks the names and the values in one
+  search each, and holds a head that announces a `content-length` until the body's first
+  bytes (or the end of the event-loop turn), so that head and body leave in one write.
+  Everything else (HEAD, chunked framing, keep-alive, the length checks, flow control)
+  is uvicorn's behaviour, unchanged.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from typing import Any
+
+from uvicorn.protocols.http.httptools_impl import (
+    HEADER_RE,
+    HEADER_VALUE_RE,
+    STATUS_LINE,
+    RequestResponseCycle,
+)
+
+from corrallm.head_guard import GuardedProtocol, HeadGuard
+from corrallm.proxy.asgi import CONNECTION
+
+
+class LeanCycle(RequestResponseCycle):
+    """uvicorn's request/response cycle with a cheaper response head and one write for
+    a head and its body (see the module's docstring)."""
+
+    _head = b""  # a head held for the body's first bytes
+
+    async def send(self, message: Any) -> None:
+        if self.flow.write_paused and not self.disconnected:
+            await self.flow.drain()
+        if self.disconnected:
+            return
+        kind = message["type"]
+        if not self.response_started:
+            if kind != "http.response.start":
+                raise RuntimeError(f"Expected 'http.response.start', but got '{kind}'.")
+            self._start(message["status"], message.get("headers", ()))
+            return
+        if self.response_complete:
+            raise RuntimeError(f"Unexpected '{kind}' after the response completed.")
+        if kind != "http.response.body":
+            raise RuntimeError(f"Expected 'http.response.body', but got '{kind}'.")
+        body: bytes = message.get("body", b"")
+        more_body: bool = message.get("more_body", False)
+        if self.scope["method"] == "HEAD":
+            self.expected_content_length = 0
+            data = b""
+        elif self.chunked_encoding:
+            data = b"%x\r\n%b\r\n" % (len(body), body) if body else b""
+            if not more_body:
+                data += b"0\r\n\r\n"
+        else:
+            if len(body) > self.expected_content_length:
+                raise RuntimeError("Response content longer than Content-Length")
+            self.expected_content_length -= len(body)
+            data = body
+        if self._head:
+            data, self._head = self._head + data, b""
+        if data:
+            self.transport.write(data)
+        if not more_body:
+            if self.expected_content_length != 0:
+                raise RuntimeError("Response content shorter than Content-Length")
+            self.response_complete = True
+            self.message_event.set()
+            if not self.keep_alive:
+                self.transport.close()
+            self.on_response()
+
+    def _start(self, status: int, extra: Any) -> None:
+        self.response_started = True
+        self.waiting_for_100_continue = False
+        headers = [*self.default_headers, *extra]
+        # uvicorn's checks, one search over all names and one over all values: joining
+        # adds no byte either expression looks for.
+        if HEADER_RE.search(b"".join(name for name, _ in headers)):
+            raise RuntimeError("Invalid HTTP header name.")
+        if HEADER_VALUE_RE.search(b"".join(value for _, value in headers)):
+            raise RuntimeError("Invalid HTTP header value.")
+        content = [STATUS_LINE[status]]
+        has_connection_close = False
+        for name, value in headers:
+            name = name.lower()
+            if name == b"content-length" and self.chunked_encoding is None:
+                self.expected_content_length = int(value.decode())
+                self.chunked_encoding = False
+            elif name == b"transfer-encoding" and value.lower() == b"chunked":
+                self.expected_content_length = 0
+                self.chunked_encoding = True
+            elif name == b"connection":
+                tokens = [token.lower().strip() for token in value.split(b",")]
+                if b"close" in tokens:
+                    self.keep_alive = False
+                    has_connection_close = True
+            content.extend((name, b": ", value, b"\r\n"))
+        if not self.keep_alive and not has_connection_close:
+            content.append(b"connection: close\r\n")
+        if (
+            self.chunked_encoding is None
+            and self.scope["method"] != "HEAD"
+            and status not in (204, 304)
+        ):
+            self.chunked_encoding = True
+            content.append(b"transfer-encoding: chunked\r\n")
+        content.append(b"\r\n")
+        head = b"".join(content)
+        if self.chunked_encoding is False and self.expected_content_length:
+            # A body of known length follows, nearly always in the same turn of the loop.
+            self._head = head
+            asyncio.get_running_loop().call_soon(self._flush_head)
+        else:
+            self.transport.write(head)
+
+    def _flush_head(self) -> None:
+        """The turn ended without the body: the head goes alone."""
+        if self._head:
+            head, self._head = self._head, b""
+            if not self.disconnected and not self.transport.is_closing():
+                self.transport.write(head)
+
+
+class Connection(GuardedProtocol):
+    """One client connection: the head limits, the disconnect hook, the lean cycle."""
+
+    _watchers: list[Callable[[], None]] | None = None  # per connection, made on first use
+
+    def on_message_begin(self) -> None:
+        super().on_message_begin()
+        self.scope[CONNECTION] = self  # type: ignore[literal-required]
+
+    def on_headers_complete(self) -> None:
+        super().on_headers_complete()
+        cycle = self.cycle
+        if cycle is not None and type(cycle) is RequestResponseCycle and cycle.scope is self.scope:
+            # uvicorn builds the cycle itself; the subclass changes only how it writes.
+            cycle.__class__ = LeanCycle
+
+    def watch(self, gone: Callable[[], None]) -> Callable[[], None]:
+        """Call `gone` when the client goes away; returns what stops watching. Reading
+        resumes, as a request parked in `receive()` would make it (a paused transport
+        would never see the client's close)."""
+        if self._watchers is None:
+            self._watchers = []
+        self._watchers.append(gone)
+        self.flow.resume_reading()
+        watchers = self._watchers
+
+        def unwatch() -> None:
+            if gone in watchers:
+                watchers.remove(gone)
+
+        return unwatch
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        super().connection_lost(exc)
+        watchers, self._watchers = self._watchers, None
+        for gone in watchers or ():
+            gone()
+
+
+def protocol_class(guard: HeadGuard) -> type[Connection]:
+    """A `Connection` subclass bound to `guard`, for `uvicorn.Config(http=...)` (which
+    takes a class and makes one per connection)."""
+
+    class CorrallmHttpProtocol(Connection):
+        pass
+
+    CorrallmHttpProtocol.guard = guard
+    CorrallmHttpProtocol.max_head = guard.limits.max_bytes
+    return CorrallmHttpProtocol
