@@ -7,10 +7,13 @@ Both additions are for the hot path (SPEC §13, bench/overhead.py):
   away (SPEC §6 S7). Through plain ASGI that takes a task per request parked in
   `receive()`: a task created, cancelled and collected for every request, whose
   reference cycle (task, coroutine, traceback) was nearly all of the garbage the cyclic
-  collector found on the hot path. The connection offers `watch(callback)` instead,
-  reached from the request's scope under `CONNECTION`: the callback runs in
+  collector found on the hot path. The request's cycle, found in its scope under
+  `CONNECTION`, offers `watch(callback)` instead: the callback runs in
   `connection_lost`, with no task. Servers without it (tests driving the app in
   process) fall back to the task (proxy/forward.py `DisconnectWatch`).
+- **Writes without messages.** `writable()` and `write_more(body)` let the stream relay
+  (proxy/forward.py) write a body piece from the upstream connection's callback, with
+  no ASGI message, coroutine or task switch per chunk.
 - **Lean responses.** uvicorn checks each response header with two regular-expression
   searches and writes the head and the body in separate `write()`s: two syscalls, two
   segments for a small answer. `LeanCycle` checks the names and the values in one
@@ -43,6 +46,8 @@ class LeanCycle(RequestResponseCycle):
 
     _head = b""  # a head held for the body's first bytes
 
+    _watchers: list[Callable[[], None]]  # the connection's, shared by its cycles
+
     async def send(self, message: Any) -> None:
         if self.flow.write_paused and not self.disconnected:
             await self.flow.drain()
@@ -58,8 +63,42 @@ class LeanCycle(RequestResponseCycle):
             raise RuntimeError(f"Unexpected '{kind}' after the response completed.")
         if kind != "http.response.body":
             raise RuntimeError(f"Expected 'http.response.body', but got '{kind}'.")
-        body: bytes = message.get("body", b"")
-        more_body: bool = message.get("more_body", False)
+        self._body(message.get("body", b""), message.get("more_body", False))
+
+    # -- what the hot path calls without ASGI messages (proxy/forward.py) --------------
+
+    def writable(self) -> bool:
+        """Whether `write_more` may be called now: the answer begun and not over, the
+        client there and keeping up (else `send`, which waits for it)."""
+        return (
+            self.response_started
+            and not self.response_complete
+            and not self.disconnected
+            and not self.flow.write_paused
+        )
+
+    def write_more(self, body: bytes) -> None:
+        """`send` of a body piece with more to come, for a caller that checked
+        `writable()`: no message, no coroutine."""
+        self._body(body, True)
+
+    def watch(self, gone: Callable[[], None]) -> Callable[[], None]:
+        """Call `gone` when the client goes away; returns what stops watching. Reading
+        resumes, as a request parked in `receive()` would make it (a paused transport
+        would never see the client's close)."""
+        watchers = self._watchers
+        watchers.append(gone)
+        self.flow.resume_reading()
+
+        def unwatch() -> None:
+            if gone in watchers:
+                watchers.remove(gone)
+
+        return unwatch
+
+    # -- the writing -----------------------------------------------------------------
+
+    def _body(self, body: bytes, more_body: bool) -> None:
         if self.scope["method"] == "HEAD":
             self.expected_content_length = 0
             data = b""
@@ -80,6 +119,7 @@ class LeanCycle(RequestResponseCycle):
             if self.expected_content_length != 0:
                 raise RuntimeError("Response content shorter than Content-Length")
             self.response_complete = True
+            self.scope.pop(CONNECTION, None)  # type: ignore[misc]  # scope and cycle held each other
             self.message_event.set()
             if not self.keep_alive:
                 self.transport.close()
@@ -138,13 +178,9 @@ class LeanCycle(RequestResponseCycle):
 
 
 class Connection(GuardedProtocol):
-    """One client connection: the head limits, the disconnect hook, the lean cycle."""
+    """One client connection: the head limits, the lean cycle with its disconnect hook."""
 
     _watchers: list[Callable[[], None]] | None = None  # per connection, made on first use
-
-    def on_message_begin(self) -> None:
-        super().on_message_begin()
-        self.scope[CONNECTION] = self  # type: ignore[literal-required]
 
     def on_headers_complete(self) -> None:
         super().on_headers_complete()
@@ -152,25 +188,16 @@ class Connection(GuardedProtocol):
         if cycle is not None and type(cycle) is RequestResponseCycle and cycle.scope is self.scope:
             # uvicorn builds the cycle itself; the subclass changes only how it writes.
             cycle.__class__ = LeanCycle
-
-    def watch(self, gone: Callable[[], None]) -> Callable[[], None]:
-        """Call `gone` when the client goes away; returns what stops watching. Reading
-        resumes, as a request parked in `receive()` would make it (a paused transport
-        would never see the client's close)."""
-        if self._watchers is None:
-            self._watchers = []
-        self._watchers.append(gone)
-        self.flow.resume_reading()
-        watchers = self._watchers
-
-        def unwatch() -> None:
-            if gone in watchers:
-                watchers.remove(gone)
-
-        return unwatch
+            if self._watchers is None:
+                self._watchers = []
+            cycle._watchers = self._watchers  # type: ignore[attr-defined]
+            self.scope[CONNECTION] = cycle  # type: ignore[literal-required]
 
     def connection_lost(self, exc: Exception | None) -> None:
         super().connection_lost(exc)
+        for cycle in (self.cycle, *(queued for queued, _ in self.pipeline)):
+            if cycle is not None:
+                cycle.scope.pop(CONNECTION, None)  # type: ignore[misc]
         watchers, self._watchers = self._watchers, None
         for gone in watchers or ():
             gone()

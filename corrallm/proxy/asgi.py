@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, MutableMapping
-from typing import Any
+from typing import Any, Protocol
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -12,9 +12,25 @@ Send = Callable[[Message], Awaitable[None]]
 ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
 JSON = b"application/json"
-# The scope key under which corrallm's own server puts the request's connection
-# (connection.py): `scope[CONNECTION].watch(gone)` calls `gone` when the client goes away.
+# The scope key under which corrallm's own server puts the request's side of its
+# connection (connection.py `LeanCycle`, a `Connection` here), for the hot path.
 CONNECTION = "corrallm.connection"
+
+
+class BodyWriter(Protocol):
+    """Body pieces written without ASGI messages, from any callback."""
+
+    def writable(self) -> bool:
+        """Whether `write_more` may be called now (else `send`, which waits)."""
+        ...
+
+    def write_more(self, body: bytes) -> None: ...
+
+
+class Connection(BodyWriter, Protocol):
+    def watch(self, gone: Callable[[], None]) -> Callable[[], None]:
+        """Call `gone` when the client goes away; returns what stops watching."""
+        ...
 
 
 class BodyTooLarge(Exception):

@@ -21,7 +21,7 @@ import asyncio
 import collections
 import ssl
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -65,6 +65,10 @@ class Response:
         self.complete = False
         self.error: BaseException | None = None
         self.waiter: asyncio.Future[None] | None = None
+        # Takes body pieces as they arrive, in the connection's callback, instead of
+        # `iter_any()`; False when it cannot now (the piece is queued for `iter_any()`).
+        # Only while nothing is queued, so that pieces keep their order.
+        self.sink: Callable[[bytes], bool] | None = None
 
     @property
     def content_type(self) -> str:
@@ -192,6 +196,8 @@ class _Connection(asyncio.Protocol):
     def on_body(self, body: bytes) -> None:
         response = self.response
         assert response is not None
+        if response.sink is not None and not response.chunks and response.sink(body):
+            return
         response.chunks.append(body)
         response.buffered += len(body)
         if response.buffered > HIGH_WATER and not self.paused and self.transport is not None:

@@ -14,7 +14,8 @@ from typing import Protocol
 import aiohttp
 import orjson
 
-from corrallm.proxy.asgi import CONNECTION, Message, Receive, Scope, Send
+from corrallm.observe.context import CURRENT, Tee
+from corrallm.proxy.asgi import CONNECTION, BodyWriter, Message, Receive, Scope, Send
 from corrallm.proxy.client import Client, Response, UpstreamTimeout
 from corrallm.proxy.errors import ApiError, bad_gateway, unavailable
 from corrallm.proxy.metering import Meter, split_events
@@ -148,6 +149,31 @@ class DisconnectWatch:
         return self.client_gone and task is not None and task.uncancel() == 0
 
 
+def direct_writer(scope: Scope) -> BodyWriter | None:
+    """The client's connection, for a relay that may write to it directly (none under
+    another ASGI server), feeding the request's capture (SPEC §21 O2) as the app's send
+    wrapper does."""
+    writer: BodyWriter | None = scope.get(CONNECTION)
+    exchange = CURRENT.get()
+    if writer is None or exchange is None or exchange.capture is None:
+        return writer
+    return _Captured(writer, exchange.capture)
+
+
+class _Captured:
+    __slots__ = ("capture", "out")
+
+    def __init__(self, out: BodyWriter, capture: Tee) -> None:
+        self.out, self.capture = out, capture
+
+    def writable(self) -> bool:
+        return self.out.writable()
+
+    def write_more(self, body: bytes) -> None:
+        self.capture.body(body)
+        self.out.write_more(body)
+
+
 async def forward(
     client: Client,
     scope: Scope,
@@ -162,13 +188,15 @@ async def forward(
     meter: Meter | None = None,
     *,
     idle_timeout: float | None = None,
+    direct: BodyWriter | None = None,
 ) -> int:
     """Send the request upstream and relay the response; returns the status to record.
 
     That is the upstream's status, unless the answer broke off after it began: then 502
     (the backend closed or crashed) or 504 (silent for `idle_timeout` seconds), with
     `meter.error` saying why. A failure before anything reached the client raises an
-    `ApiError` (502 `backend_error` / 504 `upstream_timeout`) instead.
+    `ApiError` (502 `backend_error` / 504 `upstream_timeout`) instead. `direct`: the
+    client's connection, when `send` passes an SSE body on unchanged (`direct_writer`).
     """
     response = await open_upstream(
         client, scope["method"], url, body, headers, idle_timeout, backend_id, meter
@@ -185,7 +213,9 @@ async def forward(
             stream.shielded = not sse
         start = {"type": "http.response.start", "status": response.status, "headers": raw}
         if sse:
-            return await _relay_events(response, send, start, watch, backend_id, meter)
+            # Only a 200 is relayed as it came; a feedback stream turns others into errors.
+            writer = direct if response.status == 200 else None
+            return await _relay_events(response, send, start, watch, backend_id, meter, writer)
         hold = HOLD_LIMIT if content_type == "application/json" else 0
         return await _relay_body(response, send, start, watch, backend_id, meter, hold)
 
@@ -251,48 +281,84 @@ async def _relay_events(
     watch: DisconnectWatch,
     backend_id: str,
     meter: Meter | None,
+    direct: BodyWriter | None = None,
 ) -> int:
     """An SSE stream in whole events: a preemption or a break always leaves the client at
     an event boundary, and metering sees each event whole.
+
+    With `direct` (the client's connection, when nothing between here and it changes
+    the body), events are written from the upstream connection's callback as they
+    arrive: no message, coroutine or task switch per chunk. Whatever the client is not
+    ready for goes through `send`, which waits for it, in order.
 
     A stream that breaks off (backend crash, idle timeout) drops its torn last event and
     ends with one error event and `data: [DONE]`; nothing ever follows `[DONE]`.
     """
     await send(start)
     status = int(response.status)
-    last = b""
-    pending = b""
+    events = _Events(meter, watch)
+    sink = None if direct is None else events.sink(direct)
+    response.sink = sink
     try:
-        async for chunk in response.iter_any():
-            chunk, pending = split_events(pending + chunk)
-            if meter is not None and chunk:
-                chunk = meter.chunk(chunk)
-            if not chunk:
-                continue
-            last = chunk
-            if b"[DONE]" in chunk:
-                # The answer is whole once [DONE] is out: a client that hangs up now (the
-                # openai SDK does at once) was served, not gone (S7 must not cancel it).
-                watch.finishing = True
-            await send({"type": "http.response.body", "body": chunk, "more_body": True})
+        async for chunk in response.iter_any():  # with a sink: only what it declined
+            response.sink = None
+            if data := events.take(chunk):
+                await send({"type": "http.response.body", "body": data, "more_body": True})
+            if not response.chunks:
+                response.sink = sink
     except OSError as exc:
         # The torn event (`pending`) is dropped. A stream whose [DONE] went out is whole.
-        if b"[DONE]" not in last:
+        if b"[DONE]" not in events.last:
             error = upstream_failure(meter, backend_id, exc)
             status = error.status
             await send(
                 {"type": "http.response.body", "body": stream_error(error), "more_body": True}
             )
     else:
-        if pending:  # the last event, not closed by a blank line before the end
+        if pending := events.pending:  # the last event, not closed by a blank line
             if meter is not None:
                 pending = meter.chunk(pending)
             await send({"type": "http.response.body", "body": pending, "more_body": True})
+    finally:
+        response.sink = None
     if meter is not None:
         meter.finish()
     watch.finishing = True
     await send({"type": "http.response.body", "body": b""})
     return status
+
+
+class _Events:
+    """An SSE answer on its way out in whole events: the torn last one held back, each
+    metered, `[DONE]` noted (after it, the client hanging up is not a cancel, S7)."""
+
+    __slots__ = ("last", "meter", "pending", "watch")
+
+    def __init__(self, meter: Meter | None, watch: DisconnectWatch) -> None:
+        self.meter, self.watch = meter, watch
+        self.pending = b""
+        self.last = b""  # the last events sent
+
+    def take(self, chunk: bytes) -> bytes:
+        """The whole events `chunk` completes, metered; b"" if none."""
+        data, self.pending = split_events(self.pending + chunk)
+        if data and self.meter is not None:
+            data = self.meter.chunk(data)
+        if data:
+            self.last = data
+            if b"[DONE]" in data:
+                self.watch.finishing = True
+        return data
+
+    def sink(self, out: BodyWriter) -> Callable[[bytes], bool]:
+        def write(chunk: bytes) -> bool:
+            if not out.writable():
+                return False
+            if data := self.take(chunk):
+                out.write_more(data)
+            return True
+
+        return write
 
 
 async def open_upstream(

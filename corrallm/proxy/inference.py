@@ -19,7 +19,13 @@ from corrallm.lifecycle.addresses import origin, upstream_url
 from corrallm.proxy.asgi import Receive, Scope, Send
 from corrallm.proxy.errors import ApiError, bad_request, not_found
 from corrallm.proxy.feedback import SSEFeedback
-from corrallm.proxy.forward import DisconnectWatch, forward, request_headers, stream_error
+from corrallm.proxy.forward import (
+    DisconnectWatch,
+    direct_writer,
+    forward,
+    request_headers,
+    stream_error,
+)
 from corrallm.proxy.metering import Meter, ask_for_usage
 from corrallm.proxy.pipeline import SURFACE_MODE, Admitted, Inbound, Pipeline, caller_key, ready
 from corrallm.routing.affinity import session_key
@@ -175,6 +181,7 @@ async def serve_parsed(
                 ticket,
                 meter,
                 idle_timeout=pipeline.gw.config.upstream_idle(route.config),
+                direct=direct,  # the feedback stream passes an SSE body on unchanged
             )
         finally:
             visit.status = meter.status
@@ -187,6 +194,7 @@ async def serve_parsed(
         await send({"type": "http.response.body", "body": stream_error(error)})
 
     watch = DisconnectWatch(receive, scope)
+    direct = direct_writer(scope) if inbound.stream else None
     await pipeline.run_http(inbound, work, watch, interrupted, feedback)
 
 

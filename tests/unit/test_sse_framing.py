@@ -164,8 +164,32 @@ async def client() -> AsyncIterator[Client]:
     await c.close()
 
 
+class Direct:
+    """A client connection written to directly (proxy/asgi.py `BodyWriter`), sharing
+    `Relayed`'s record so that the order of both ways is one list; `ready` says whether
+    the client keeps up (else the relay goes through `send`)."""
+
+    def __init__(self, relayed: Relayed) -> None:
+        self.relayed = relayed
+        self.ready = True
+        self.direct = 0  # pieces written this way
+        self.tasks: set[asyncio.Future[None]] = set()
+
+    def writable(self) -> bool:
+        return self.ready
+
+    def write_more(self, body: bytes) -> None:
+        self.direct += 1
+        message = {"type": "http.response.body", "body": body, "direct": True}
+        # Called from a callback, not a coroutine: the record is told in a task.
+        self.tasks.add(asyncio.ensure_future(self.relayed.send(message)))
+
+
 async def relay(
-    client: Client, script: Script, idle_timeout: float | None = None
+    client: Client,
+    script: Script,
+    idle_timeout: float | None = None,
+    direct: Callable[[Relayed], Direct] | None = None,
 ) -> tuple[int, Relayed, Meter]:
     relayed = Relayed()
     meter = Meter()
@@ -192,6 +216,7 @@ async def relay(
                     None,
                     meter,
                     idle_timeout=idle_timeout,
+                    direct=direct(relayed) if direct is not None else None,
                 ),
                 10,
             )
@@ -244,3 +269,46 @@ async def test_fault_stream_broken_by_crash_drops_the_torn_event_and_ends_with_d
     assert relayed.messages[-1] == {"type": "http.response.body", "body": b""}
     assert status == 502 and meter.status == 502
     assert meter.error is not None and meter.error.startswith("backend_error: ")
+
+
+async def test_S4_direct_relay_keeps_whole_events_in_order_when_the_client_falls_behind(
+    client: Client,
+) -> None:
+    """Events go straight to the connection while it keeps up and through `send` while it
+    does not (`writable()` False), one list in the upstream's order either way, torn
+    events held back until whole."""
+    made: list[Direct] = []
+
+    def direct(relayed: Relayed) -> Direct:
+        made.append(Direct(relayed))
+        return made[0]
+
+    def event(i: int) -> bytes:
+        return b'data: {"n":%d}\n\n' % i
+
+    async def script(writer: asyncio.StreamWriter, relayed: Relayed) -> None:
+        writer.write(SSE_HEAD)
+        for i in range(30):
+            if i == 10:
+                made[0].ready = False  # the client falls behind
+            elif i == 20:
+                made[0].ready = True
+            whole = event(i)
+            # Each event in two pieces, the first torn mid-line.
+            writer.write(chunk(whole[:7]))
+            await writer.drain()
+            writer.write(chunk(whole[7:]))
+            await writer.drain()
+            await relayed.until(lambda i=i: relayed.body.count(b'"n":') == i + 1)
+        writer.write(chunk(b"data: [DONE]\n\n") + chunk(b""))
+        await writer.drain()
+
+    status, relayed, meter = await relay(client, script, direct=direct)
+    assert status == 200 and meter.error is None
+    assert data_events(relayed.body) == [b'{"n":%d}' % i for i in range(30)] + [b"[DONE]"]
+    pieces = [m for m in relayed.messages[1:] if m.get("body")]
+    # One piece per event (its torn first half sent nothing), in order.
+    assert [p["body"] for p in pieces[:30]] == [event(i) for i in range(30)]
+    assert all(p.get("direct") for p in pieces[1:10] + pieces[21:30])
+    assert not any(p.get("direct") for p in pieces[10:20])  # the client was behind
+    assert meter.events == 31
