@@ -80,7 +80,10 @@ class LeanCycle(RequestResponseCycle):
     def write_more(self, body: bytes) -> None:
         """`send` of a body piece with more to come, for a caller that checked
         `writable()`: no message, no coroutine."""
-        self._body(body, True)
+        if self.chunked_encoding and not self._head and self.scope["method"] != "HEAD":
+            self.transport.write(b"%x\r\n%b\r\n" % (len(body), body))  # a stream's piece
+        else:
+            self._body(body, True)
 
     def watch(self, gone: Callable[[], None]) -> Callable[[], None]:
         """Call `gone` when the client goes away; returns what stops watching. Reading

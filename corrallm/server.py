@@ -90,6 +90,9 @@ def run(config: Config, options: ServeOptions) -> None:
             http=protocol_class(HeadGuard(limits)),
             lifespan="on",
             access_log=False,
+            # corrallm never reads the client's address: no X-Forwarded-* rewriting
+            # middleware on every request.
+            proxy_headers=False,
             log_level="info",
             timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_SECONDS,
         )

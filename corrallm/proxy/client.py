@@ -77,22 +77,26 @@ class Response:
                 return value.split(b";", 1)[0].strip().lower().decode("latin-1")
         return "application/octet-stream"
 
-    async def iter_any(self) -> AsyncIterator[bytes]:
-        conn = self._conn
+    async def next_chunk(self) -> bytes | None:
+        """The body's next piece as it arrived, or None at its end; raises what broke it.
+        (A coroutine rather than an async generator: no finalizer hook per answer.)"""
         while True:
             if self.chunks:
                 chunk = self.chunks.popleft()
                 self.buffered -= len(chunk)
-                if conn.paused and self.buffered <= LOW_WATER:
-                    conn.resume()
-                yield chunk
-            elif self.complete or self.head_only:
-                return
-            elif self.error is not None:
+                if self._conn.paused and self.buffered <= LOW_WATER:
+                    self._conn.resume()
+                return chunk
+            if self.complete or self.head_only:
+                return None
+            if self.error is not None:
                 raise self.error
-            else:
-                self.waiter = conn.loop.create_future()
-                await self.waiter
+            self.waiter = self._conn.loop.create_future()
+            await self.waiter
+
+    async def iter_any(self) -> AsyncIterator[bytes]:
+        while (chunk := await self.next_chunk()) is not None:
+            yield chunk
 
     async def __aenter__(self) -> Response:
         return self

@@ -9,12 +9,12 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable, Iterable
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 import aiohttp
 import orjson
 
-from corrallm.observe.context import CURRENT, Tee
+from corrallm.observe.context import CURRENT
 from corrallm.proxy.asgi import CONNECTION, BodyWriter, Message, Receive, Scope, Send
 from corrallm.proxy.client import Client, Response, UpstreamTimeout
 from corrallm.proxy.errors import ApiError, bad_gateway, unavailable
@@ -149,29 +149,23 @@ class DisconnectWatch:
         return self.client_gone and task is not None and task.uncancel() == 0
 
 
-def direct_writer(scope: Scope) -> BodyWriter | None:
-    """The client's connection, for a relay that may write to it directly (none under
-    another ASGI server), feeding the request's capture (SPEC §21 O2) as the app's send
-    wrapper does."""
-    writer: BodyWriter | None = scope.get(CONNECTION)
+class Direct(NamedTuple):
+    """The client's connection, written to from the upstream connection's callback, and
+    what else sees each piece: the request's capture (SPEC §21 O2), as the app's send
+    wrapper would feed it."""
+
+    out: BodyWriter
+    tee: Callable[[bytes], None] | None
+
+
+def direct_writer(scope: Scope) -> Direct | None:
+    """The request's `Direct`, where its server offers one (corrallm's own does)."""
+    out: BodyWriter | None = scope.get(CONNECTION)
+    if out is None:
+        return None
     exchange = CURRENT.get()
-    if writer is None or exchange is None or exchange.capture is None:
-        return writer
-    return _Captured(writer, exchange.capture)
-
-
-class _Captured:
-    __slots__ = ("capture", "out")
-
-    def __init__(self, out: BodyWriter, capture: Tee) -> None:
-        self.out, self.capture = out, capture
-
-    def writable(self) -> bool:
-        return self.out.writable()
-
-    def write_more(self, body: bytes) -> None:
-        self.capture.body(body)
-        self.out.write_more(body)
+    capture = exchange.capture if exchange is not None else None
+    return Direct(out, capture.body if capture is not None else None)
 
 
 async def forward(
@@ -188,7 +182,7 @@ async def forward(
     meter: Meter | None = None,
     *,
     idle_timeout: float | None = None,
-    direct: BodyWriter | None = None,
+    direct: Direct | None = None,
 ) -> int:
     """Send the request upstream and relay the response; returns the status to record.
 
@@ -245,7 +239,7 @@ async def _relay_body(
     size = 0
     sent = False
     try:
-        async for chunk in response.iter_any():
+        while (chunk := await response.next_chunk()) is not None:
             if meter is not None:
                 chunk = meter.chunk(chunk)
             if not sent:
@@ -281,7 +275,7 @@ async def _relay_events(
     watch: DisconnectWatch,
     backend_id: str,
     meter: Meter | None,
-    direct: BodyWriter | None = None,
+    direct: Direct | None = None,
 ) -> int:
     """An SSE stream in whole events: a preemption or a break always leaves the client at
     an event boundary, and metering sees each event whole.
@@ -300,7 +294,8 @@ async def _relay_events(
     sink = None if direct is None else events.sink(direct)
     response.sink = sink
     try:
-        async for chunk in response.iter_any():  # with a sink: only what it declined
+        # With a sink: only what it declined comes here.
+        while (chunk := await response.next_chunk()) is not None:
             response.sink = None
             if data := events.take(chunk):
                 await send({"type": "http.response.body", "body": data, "more_body": True})
@@ -350,15 +345,27 @@ class _Events:
                 self.watch.finishing = True
         return data
 
-    def sink(self, out: BodyWriter) -> Callable[[bytes], bool]:
-        def write(chunk: bytes) -> bool:
-            if not out.writable():
+    def sink(self, direct: Direct) -> Callable[[bytes], bool]:
+        """What takes the upstream's pieces in its callback: whole events written at once
+        while the client keeps up (False, the piece queued for `send`, when it does not).
+        Per chunk this is the hot path of every stream: its calls are bound once here."""
+        writable, write, take, tee = (
+            direct.out.writable,
+            direct.out.write_more,
+            self.take,
+            direct.tee,
+        )
+
+        def sink(chunk: bytes) -> bool:
+            if not writable():
                 return False
-            if data := self.take(chunk):
-                out.write_more(data)
+            if data := take(chunk):
+                if tee is not None:
+                    tee(data)
+                write(data)
             return True
 
-        return write
+        return sink
 
 
 async def open_upstream(

@@ -148,7 +148,8 @@ async def serve_parsed(
         len(body),
         SURFACE_MODE.get(path),
         limit,
-        session=session_key(scope["headers"], payload),
+        # K6: a conversation's backend matters only where there is more than one.
+        session=session_key(scope["headers"], payload) if pipeline.has_choice(model) else None,
         stream=payload.get("stream") is True,
     )
     strip_usage = ask_for_usage(path, payload)

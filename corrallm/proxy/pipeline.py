@@ -125,6 +125,12 @@ class Pipeline:
         if self._websockets is not None:
             await self._websockets.close()
 
+    def has_choice(self, model: str) -> bool:
+        """Whether a request for `model` may have a choice of backend (an unknown name
+        too: the gates say why it is refused)."""
+        served = self.gw.models.get(model)
+        return served is None or len(served.routes) > 1
+
     # -- the first gates, also for reservations and /upstream ------------------------
 
     def lookup(self, model: str, reloaded: bool = False) -> ServedModel:

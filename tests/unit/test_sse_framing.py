@@ -13,7 +13,7 @@ import orjson
 import pytest
 
 from corrallm.proxy.client import Client
-from corrallm.proxy.forward import DisconnectWatch, forward
+from corrallm.proxy.forward import Direct, DisconnectWatch, forward
 from corrallm.proxy.metering import Meter, count_events, split_events
 
 EVENT = b'data: {"choices":[{"delta":{"content":"x"}}]}'
@@ -164,7 +164,7 @@ async def client() -> AsyncIterator[Client]:
     await c.close()
 
 
-class Direct:
+class DirectClient:
     """A client connection written to directly (proxy/asgi.py `BodyWriter`), sharing
     `Relayed`'s record so that the order of both ways is one list; `ready` says whether
     the client keeps up (else the relay goes through `send`)."""
@@ -189,7 +189,7 @@ async def relay(
     client: Client,
     script: Script,
     idle_timeout: float | None = None,
-    direct: Callable[[Relayed], Direct] | None = None,
+    direct: Callable[[Relayed], DirectClient] | None = None,
 ) -> tuple[int, Relayed, Meter]:
     relayed = Relayed()
     meter = Meter()
@@ -216,7 +216,7 @@ async def relay(
                     None,
                     meter,
                     idle_timeout=idle_timeout,
-                    direct=direct(relayed) if direct is not None else None,
+                    direct=Direct(direct(relayed), None) if direct is not None else None,
                 ),
                 10,
             )
@@ -277,10 +277,10 @@ async def test_S4_direct_relay_keeps_whole_events_in_order_when_the_client_falls
     """Events go straight to the connection while it keeps up and through `send` while it
     does not (`writable()` False), one list in the upstream's order either way, torn
     events held back until whole."""
-    made: list[Direct] = []
+    made: list[DirectClient] = []
 
-    def direct(relayed: Relayed) -> Direct:
-        made.append(Direct(relayed))
+    def direct(relayed: Relayed) -> DirectClient:
+        made.append(DirectClient(relayed))
         return made[0]
 
     def event(i: int) -> bytes:
