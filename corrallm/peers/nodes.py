@@ -51,11 +51,17 @@ class Nodes:
                 del self.endpoints[key]
 
     def reconfigure(self, config: Config) -> None:
-        """Follow the config's peers: new ones start, removed or changed ones stop."""
+        """Follow the config's peers: new ones start, removed or changed ones stop. A new
+        `peerTimeout` restarts the followers of the others (each watches its peer's
+        silence with it), their views kept: a peer stays up across it."""
+        retimed = config.peer_timeout != self._timeout
         self._timeout = config.peer_timeout
         for name in list(self._configs):
             if config.peers.get(name) != self._configs[name]:
                 self._stop(name)
+            elif retimed and name in self._tasks:
+                self._tasks.pop(name).cancel()
+                self._start(name)
         for name, peer in config.peers.items():
             if name not in self._configs:
                 self._configs[name] = peer
