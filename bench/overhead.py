@@ -37,6 +37,7 @@ import threading
 import time
 import urllib.request
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -619,6 +620,27 @@ class Bench:
 
     def profile(self, t: Target, wrk: str, path: Path) -> dict[str, Any]:
         """py-spy on `t` (raw collapsed stacks into `path`) while wrk loads it."""
+        secs = self.args.profile_seconds
+        result: dict[str, Any] = {}
+
+        def load() -> None:
+            out = self.run_client(self.wrk_cmd(wrk, t, secs + 1))
+            rps = re.search(r"Requests/sec:\s+([\d.]+)", out)
+            result["rps"] = float(rps.group(1)) if rps else None
+
+        return {**self._spy(t, path, load), **result}
+
+    def profile_streams(self, t: Target, path: Path) -> dict[str, Any]:
+        """py-spy on `t` during one streams run (its first `--profile-seconds`)."""
+        result: dict[str, Any] = {}
+
+        def load() -> None:
+            run = self.streams(t)
+            result["chunks"] = run.get("events")
+
+        return {**self._spy(t, path, load), **result}
+
+    def _spy(self, t: Target, path: Path, load: Callable[[], None]) -> dict[str, Any]:
         spy = shutil.which("py-spy") or str(Path(PY).parent / "py-spy")
         if not os.access(spy, os.X_OK):
             return {"error": "py-spy not found (`.venv/bin/pip install py-spy`)"}
@@ -632,12 +654,11 @@ class Bench:
             preexec_fn=pinner(self.procs.pins.get("client")),
         )
         time.sleep(1)  # py-spy attaches
-        out = self.run_client(self.wrk_cmd(wrk, t, secs + 1))
+        load()
         log = spy_proc.communicate(timeout=self.left())[0].decode(errors="replace")
-        rps = re.search(r"Requests/sec:\s+([\d.]+)", out)
         if spy_proc.returncode or not path.exists():
             return {"error": f"py-spy failed ({spy_proc.returncode}): {log[-1000:]}"}
-        return {"path": str(path), "rps": float(rps.group(1)) if rps else None, "log": log[-300:]}
+        return {"path": str(path), "log": log[-300:]}
 
     def llama(self, t: Target) -> dict[str, Any]:
         body = {"model": "bench-llama", "messages": PROMPT, "max_tokens": LLAMA_MAX_TOKENS}
@@ -922,6 +943,17 @@ def report(
         ]
     elif prof:
         notes.append(f"profile: {prof['error']}")
+    prof = res.get("corrallm", {}).get("profile_streams")
+    if prof and "path" in prof:
+        frames, samples = top_frames(Path(prof["path"]))
+        out += [
+            f"### py-spy: corrallm relaying {args.streams} streams, the run's first "
+            f"{args.profile_seconds} s ({samples} samples of non-idle threads)",
+            "",
+            *frame_table(frames, samples),
+        ]
+    elif prof:
+        notes.append(f"streams profile: {prof['error']}")
     out += [f"- {n}" for n in notes]
     return "\n".join(out)
 
@@ -993,7 +1025,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument(
         "--profile",
         type=Path,
-        help="also record corrallm under wrk with py-spy (raw collapsed stacks) into this file",
+        help="also record corrallm with py-spy (raw collapsed stacks) under wrk into this "
+        "file, and during one streams run into FILE's stem + .streams.raw",
     )
     p.add_argument("--profile-seconds", type=int, default=10, help="length of the profile (10)")
     p.add_argument("--json", action="store_true", help="also print the results as JSON")
@@ -1116,6 +1149,9 @@ def run(
                 if t.name == "corrallm" and args.profile and wrk:
                     print("... profile: corrallm", file=sys.stderr, flush=True)
                     res[t.name]["profile"] = bench.profile(t, wrk, args.profile)
+                    print("... profile: corrallm, streams", file=sys.stderr, flush=True)
+                    streams_raw = args.profile.with_name(args.profile.stem + ".streams.raw")
+                    res[t.name]["profile_streams"] = bench.profile_streams(t, streams_raw)
                 if t.llama_url is not None:
                     print(f"... llama: {t.name}", file=sys.stderr, flush=True)
                     res[t.name]["llama"] = bench.llama(t)
