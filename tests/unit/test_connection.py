@@ -11,6 +11,7 @@ import pytest
 from uvicorn.protocols.http.flow_control import FlowControl
 
 from corrallm.connection import LeanCycle
+from corrallm.proxy.asgi import CONNECTION
 
 
 class Transport:
@@ -61,6 +62,7 @@ def body(data: bytes, more: bool = False) -> dict[str, Any]:
 
 async def test_a_known_length_answer_is_one_write_of_head_and_body() -> None:
     c, transport, done = cycle()
+    c.scope[CONNECTION] = c  # as the connection puts it there
     await c.send(start(200, (b"content-type", b"application/json"), (b"content-length", b"2")))
     await c.send(body(b"{}"))
     assert transport.writes == [
@@ -68,6 +70,7 @@ async def test_a_known_length_answer_is_one_write_of_head_and_body() -> None:
         b"content-length: 2\r\n\r\n{}"
     ]
     assert c.response_complete and done == [1]
+    assert CONNECTION not in c.scope  # scope and cycle no longer hold each other
     await asyncio.sleep(0)  # the end-of-turn flush finds nothing left to send
     assert len(transport.writes) == 1
 
@@ -137,3 +140,16 @@ async def test_nothing_is_written_once_the_client_is_gone() -> None:
     await c.send(start(200, (b"content-length", b"2")))
     await c.send(body(b"{}"))
     assert transport.writes == []
+
+
+async def test_write_more_frames_a_chunk_without_a_message() -> None:
+    c, transport, _ = cycle()
+    await c.send(start(200, (b"content-type", b"text/event-stream")))
+    assert c.writable()
+    c.write_more(b"data: 1\n\n")
+    assert transport.writes[-1] == b"9\r\ndata: 1\n\n\r\n"
+    c.flow.pause_writing()
+    assert not c.writable()  # the client is behind: `send`, which waits, takes over
+    c.flow.resume_writing()
+    await c.send(body(b""))
+    assert not c.writable()  # over
