@@ -89,6 +89,9 @@ class LeanCycle(RequestResponseCycle):
         """Call `gone` when the client goes away; returns what stops watching. Reading
         resumes, as a request parked in `receive()` would make it (a paused transport
         would never see the client's close)."""
+        if self.disconnected:  # gone already, before anyone watched
+            gone()
+            return lambda: None
         watchers = self._watchers
         watchers.append(gone)
         self.flow.resume_reading()

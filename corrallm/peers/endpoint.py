@@ -64,6 +64,10 @@ class PeerEndpoint:
             )
 
     def enter(self) -> bool:
+        """Count a request in flight; False if the peer cannot take it now (then
+        `ensure_ready` says why)."""
+        if not self.available():
+            return False
         self.in_flight += 1
         self._since_report(1)
         return True

@@ -23,7 +23,6 @@ import asyncio
 import time
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
-from typing import TypeVar
 
 import aiohttp
 
@@ -96,8 +95,6 @@ class Admitted:
             extra = {**extra, **route.endpoint.hop_headers(self.caller.group_name)}
         return request_headers(raw, extra)
 
-
-T = TypeVar("T")
 
 # The surface's part: talk to the admitted backend, fill in `visit.metered`/`ttfb_ms`, and
 # return the status to record.
@@ -298,10 +295,11 @@ class Pipeline:
                 ticket.started = ticket.shielded = False
                 admitted = Admitted(served, caller, ticket, visit, flight.waited, flight.live)
                 try:
-                    flight.live.state = "loading"
-                    await flight.loading(
-                        enter_ready(ticket.route, cause), load_note(ticket.route, gw.config)
-                    )
+                    if not ticket.route.endpoint.enter():  # else ready now: no wait to note
+                        flight.live.state = "loading"
+                        await flight.loading(
+                            enter_ready(ticket.route, cause), load_note(ticket.route, gw.config)
+                        )
                     flight.live.state = "running"
                     try:
                         visit.status = await flight.work(admitted)
@@ -398,14 +396,20 @@ class _Flight:
     async def queued(self, admit: Awaitable[Ticket], note: Callable[[], str]) -> Ticket:
         began = time.monotonic()
         try:
-            return await self._narrated(admit, note, lambda: self._so_far(began, "queue"))
+            if self.narrator is None:
+                return await admit
+            async with self.narrator.during(note, lambda: self._so_far(began, "queue")):
+                return await admit
         finally:
             self.waited.queue_ms += (time.monotonic() - began) * 1000
 
     async def loading(self, ready: Awaitable[None], note: Callable[[], str]) -> None:
         began = time.monotonic()
         try:
-            await self._narrated(ready, note, lambda: self._so_far(began, "load"))
+            if self.narrator is None:
+                return await ready
+            async with self.narrator.during(note, lambda: self._so_far(began, "load")):
+                return await ready
         finally:
             self.waited.load_ms += (time.monotonic() - began) * 1000
 
@@ -413,14 +417,6 @@ class _Flight:
         now = (time.monotonic() - began) * 1000
         queue, load = self.waited.queue_ms, self.waited.load_ms
         return Waited(queue + now, load) if phase == "queue" else Waited(queue, load + now)
-
-    async def _narrated(
-        self, waited: Awaitable[T], note: Callable[[], str], so_far: Callable[[], Waited]
-    ) -> T:
-        if self.narrator is None:
-            return await waited
-        async with self.narrator.during(note, so_far):
-            return await waited
 
 
 # -- the gates' pieces, shared with the surfaces that use only some of them -------------

@@ -153,3 +153,16 @@ async def test_write_more_frames_a_chunk_without_a_message() -> None:
     c.flow.resume_writing()
     await c.send(body(b""))
     assert not c.writable()  # over
+
+
+async def test_S7_watching_a_client_already_gone_calls_back_at_once() -> None:
+    c, _, _ = cycle()
+    c._watchers = []
+    gone: list[int] = []
+    stop = c.watch(lambda: gone.append(1))
+    assert gone == [] and len(c._watchers) == 1
+    stop()
+    assert c._watchers == []
+    c.disconnected = True  # the connection was lost before the request watched it
+    c.watch(lambda: gone.append(2))
+    assert gone == [2] and c._watchers == []
