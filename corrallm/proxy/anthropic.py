@@ -31,7 +31,7 @@ from corrallm.proxy.anthropic_translate import (
     prompt_text,
     to_chat,
 )
-from corrallm.proxy.asgi import Receive, Scope, Send, send_bytes
+from corrallm.proxy.asgi import Headers, Receive, Scope, Send, send_bytes
 from corrallm.proxy.client import Response
 from corrallm.proxy.errors import ApiError, bad_gateway, bad_request
 from corrallm.proxy.feedback import SSEFeedback
@@ -61,7 +61,7 @@ def speaks_anthropic(route: Route) -> bool:
     return NATIVE in route.config.apis
 
 
-def _headers(scope: Scope, route: Route) -> list[tuple[str, str]]:
+def _headers(scope: Scope, route: Route) -> Headers:
     return request_headers(scope["headers"], route.config.headers)
 
 
@@ -153,7 +153,7 @@ async def _exchange(
     send: Send,
     url: str,
     data: bytes,
-    headers: list[tuple[str, str]],
+    headers: Headers,
     meter: Meter,
     watch: DisconnectWatch,
     stream: EventStream | None,
@@ -373,7 +373,7 @@ async def _tokenize(pipeline: Pipeline, route: Route, text: str, idle: float) ->
     backend has no such endpoint or it fails."""
     url = origin(route.endpoint.base_url) + "/tokenize"
     body = orjson.dumps({"content": text})
-    headers = [("content-type", "application/json"), *route.config.headers.items()]
+    headers = request_headers((), {"content-type": "application/json", **route.config.headers})
     try:
         response = await pipeline.upstream.request("POST", url, body, headers, idle)
         async with response:

@@ -12,6 +12,8 @@ Send = Callable[[Message], Awaitable[None]]
 ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
 JSON = b"application/json"
+# Header pairs as they travel: bytes both ways, never decoded on the hot path.
+Headers = list[tuple[bytes, bytes]]
 # The scope key under which corrallm's own server puts the request's side of its
 # connection (connection.py `LeanCycle`, a `Connection` here), for the hot path.
 CONNECTION = "corrallm.connection"

@@ -283,7 +283,7 @@ class Client:
         method: str,
         url: str,
         body: bytes,
-        headers: list[tuple[str, str]],
+        headers: list[tuple[bytes, bytes]],
         idle_timeout: float | None = None,
     ) -> Response:
         """Send once, and once more on a fresh connection if a pooled one turned out to be
@@ -302,7 +302,7 @@ class Client:
                 b"\r\nContent-Length: ",
                 str(len(body)).encode("ascii"),
                 b"\r\n",
-                *(b"%s: %s\r\n" % (k.encode("latin-1"), v.encode("latin-1")) for k, v in headers),
+                *(b"%s: %s\r\n" % header for header in headers),
                 b"\r\n",
             ]
         )

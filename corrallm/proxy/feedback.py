@@ -12,11 +12,10 @@ stream ends with the error as one `data:` event and `data: [DONE]`.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 import orjson
 
@@ -25,6 +24,8 @@ from corrallm.proxy.asgi import Message, Send
 from corrallm.proxy.errors import ApiError
 from corrallm.routing.router import Route
 from corrallm.scheduler.core import Scheduler
+
+T = TypeVar("T")
 
 SSE_HEADERS = [
     (b"content-type", b"text/event-stream"),
@@ -63,18 +64,28 @@ class Narrator:
         self.waiting, self.settings = waiting, settings
         self._next = arrived + settings.after
 
-    @contextlib.asynccontextmanager
-    async def during(
-        self, describe: Callable[[], str], waited: Callable[[], Waited]
-    ) -> AsyncIterator[None]:
-        """While the body waits, say `describe()` when it is time; stopped before the body
-        goes on, so that no comment is ever sent beside the answer."""
-        ticker = asyncio.create_task(self._tick(describe, waited))
+    async def over(
+        self, waited: Awaitable[T], describe: Callable[[], str], so_far: Callable[[], Waited]
+    ) -> T:
+        """`await waited`, saying `describe()` when it is time; stopped before the caller
+        goes on, so that no comment is ever sent beside the answer. The comments' task is
+        made only once the first is due: most requests never wait that long, and a task
+        per stream (made, cancelled, waited for) was most of what a wait cost."""
+        loop = asyncio.get_running_loop()
+        ticker: asyncio.Task[None] | None = None
+
+        def start() -> None:
+            nonlocal ticker
+            ticker = loop.create_task(self._tick(describe, so_far))
+
+        timer = loop.call_later(max(0.0, self._next - time.monotonic()), start)
         try:
-            yield
+            return await waited
         finally:
-            ticker.cancel()
-            await asyncio.wait({ticker})
+            timer.cancel()
+            if ticker is not None:
+                ticker.cancel()
+                await asyncio.wait({ticker})
 
     async def _tick(self, describe: Callable[[], str], waited: Callable[[], Waited]) -> None:
         while True:

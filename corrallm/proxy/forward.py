@@ -15,7 +15,7 @@ import aiohttp
 import orjson
 
 from corrallm.observe.context import CURRENT
-from corrallm.proxy.asgi import CONNECTION, BodyWriter, Message, Receive, Scope, Send
+from corrallm.proxy.asgi import CONNECTION, BodyWriter, Headers, Message, Receive, Scope, Send
 from corrallm.proxy.client import Client, Response, UpstreamTimeout
 from corrallm.proxy.errors import ApiError, bad_gateway, unavailable
 from corrallm.proxy.metering import Meter, split_events
@@ -89,14 +89,14 @@ def new_session() -> aiohttp.ClientSession:
     )
 
 
-def request_headers(
-    raw: Iterable[tuple[bytes, bytes]], extra: dict[str, str]
-) -> list[tuple[str, str]]:
-    out = [(k.decode("latin-1"), v.decode("latin-1")) for k, v in raw if k not in _DROP_REQUEST]
+def request_headers(raw: Iterable[tuple[bytes, bytes]], extra: dict[str, str]) -> Headers:
+    """The client's headers for the backend (as they came, lowercased by the server), the
+    hop-by-hop ones and the caller's identity left out, `extra` set over them."""
+    out = [(k, v) for k, v in raw if k not in _DROP_REQUEST]
     if extra:
-        names = {k.lower() for k in extra}
+        names = {k.lower().encode("latin-1") for k in extra}
         out = [(k, v) for k, v in out if k not in names]
-        out.extend(extra.items())
+        out.extend((k.encode("latin-1"), v.encode("latin-1")) for k, v in extra.items())
     return out
 
 
@@ -174,7 +174,7 @@ async def forward(
     send: Send,
     url: str,
     body: bytes,
-    headers: list[tuple[str, str]],
+    headers: Headers,
     extra_response_headers: list[tuple[bytes, bytes]],
     watch: DisconnectWatch,
     backend_id: str,
@@ -373,7 +373,7 @@ async def open_upstream(
     method: str,
     url: str,
     body: bytes,
-    headers: list[tuple[str, str]],
+    headers: Headers,
     idle_timeout: float | None,
     backend_id: str,
     meter: Meter | None,

@@ -33,7 +33,7 @@ from corrallm.lifecycle.supervisor import Cause
 from corrallm.observe.context import CURRENT, answer_begun, new_request_id
 from corrallm.observe.live import LiveRequest
 from corrallm.peers.endpoint import PeerEndpoint
-from corrallm.proxy.asgi import Scope, header
+from corrallm.proxy.asgi import Headers, Scope, header
 from corrallm.proxy.client import Client
 from corrallm.proxy.errors import RETIRED, ApiError, lifecycle_failure, not_found
 from corrallm.proxy.feedback import (
@@ -86,7 +86,7 @@ class Admitted:
     def route(self) -> Route:
         return self.ticket.route
 
-    def upstream_headers(self, raw: Iterable[tuple[bytes, bytes]]) -> list[tuple[str, str]]:
+    def upstream_headers(self, raw: Iterable[tuple[bytes, bytes]]) -> Headers:
         """The request's headers for its backend: the caller's identity left out, the
         backend's own `headers` added, and across a hop the caller's lane, signed (X3)."""
         route = self.route
@@ -398,8 +398,7 @@ class _Flight:
         try:
             if self.narrator is None:
                 return await admit
-            async with self.narrator.during(note, lambda: self._so_far(began, "queue")):
-                return await admit
+            return await self.narrator.over(admit, note, lambda: self._so_far(began, "queue"))
         finally:
             self.waited.queue_ms += (time.monotonic() - began) * 1000
 
@@ -408,8 +407,7 @@ class _Flight:
         try:
             if self.narrator is None:
                 return await ready
-            async with self.narrator.during(note, lambda: self._so_far(began, "load")):
-                return await ready
+            return await self.narrator.over(ready, note, lambda: self._so_far(began, "load"))
         finally:
             self.waited.load_ms += (time.monotonic() - began) * 1000
 

@@ -18,7 +18,7 @@ from typing import Any
 import orjson
 
 from corrallm.lifecycle.addresses import upstream_url
-from corrallm.proxy.asgi import Receive, Scope, Send
+from corrallm.proxy.asgi import Headers, Receive, Scope, Send
 from corrallm.proxy.client import Response
 from corrallm.proxy.errors import ApiError, bad_gateway, bad_request
 from corrallm.proxy.feedback import SSEFeedback
@@ -178,9 +178,7 @@ class _Relay:
         self.translator = translator
         self.sent = 0
 
-    async def _request(
-        self, url: str, data: bytes, headers: list[tuple[str, str]], idle: float
-    ) -> Response:
+    async def _request(self, url: str, data: bytes, headers: Headers, idle: float) -> Response:
         backend = self.admitted.route.id
         return await open_upstream(
             self.pipeline.upstream, "POST", url, data, headers, idle, backend, self.meter
@@ -218,7 +216,7 @@ class _Relay:
         self,
         url: str,
         data: bytes,
-        headers: list[tuple[str, str]],
+        headers: Headers,
         extra: list[tuple[bytes, bytes]],
         idle: float,
         echo: Echo,
@@ -267,7 +265,7 @@ class _Relay:
         self,
         url: str,
         data: bytes,
-        headers: list[tuple[str, str]],
+        headers: Headers,
         extra: list[tuple[bytes, bytes]],
         idle: float,
     ) -> int:

@@ -58,7 +58,7 @@ async def client() -> AsyncIterator[Client]:
 
 
 async def fetch(client: Client, url: str, method: str = "POST") -> tuple[int, bytes]:
-    async with await client.request(method, url, b'{"a": 1}', [("X-Test", "1")]) as response:
+    async with await client.request(method, url, b'{"a": 1}', [(b"X-Test", b"1")]) as response:
         return response.status, b"".join([c async for c in response.iter_any()])
 
 
