@@ -1,7 +1,7 @@
 """The gateway's HTTP/1.1 connection: uvicorn's httptools protocol with the request-head
 limits (head_guard.py), a disconnect hook and a leaner response writer.
 
-Both additions are for the hot path (SPEC §13, bench/overhead.py):
+What it adds is for the hot path (SPEC §13, bench/overhead.py):
 
 - **Disconnect hook.** A request being answered must learn at once that its client went
   away (SPEC §6 S7). Through plain ASGI that takes a task per request parked in

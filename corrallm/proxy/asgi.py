@@ -30,6 +30,8 @@ class BodyWriter(Protocol):
 
 
 class Connection(BodyWriter, Protocol):
+    """The request's side of its connection (`scope[CONNECTION]`)."""
+
     def watch(self, gone: Callable[[], None]) -> Callable[[], None]:
         """Call `gone` when the client goes away; returns what stops watching."""
         ...

@@ -15,7 +15,16 @@ import aiohttp
 import orjson
 
 from corrallm.observe.context import CURRENT
-from corrallm.proxy.asgi import CONNECTION, BodyWriter, Headers, Message, Receive, Scope, Send
+from corrallm.proxy.asgi import (
+    CONNECTION,
+    BodyWriter,
+    Connection,
+    Headers,
+    Message,
+    Receive,
+    Scope,
+    Send,
+)
 from corrallm.proxy.client import Client, Response, UpstreamTimeout
 from corrallm.proxy.errors import ApiError, bad_gateway, unavailable
 from corrallm.proxy.metering import Meter, split_events
@@ -114,7 +123,7 @@ class DisconnectWatch:
         self._task = asyncio.current_task()
         self._watcher: asyncio.Task[None] | None = None
         self._unwatch: Callable[[], None] | None = None
-        connection = scope.get(CONNECTION) if scope is not None else None
+        connection: Connection | None = scope.get(CONNECTION) if scope is not None else None
         if connection is not None:
             self._unwatch = connection.watch(self._gone)
         else:
