@@ -52,7 +52,8 @@ class UpstreamTimeout(UpstreamError):
 
 
 class Response:
-    """One answer: status and headers once they are in, then `iter_any()` for the body."""
+    """One answer: status and headers once they are in, then `next_chunk()` (or
+    `iter_any()`) for the body."""
 
     def __init__(self, conn: _Connection, head_only: bool) -> None:
         self._conn = conn
@@ -66,7 +67,7 @@ class Response:
         self.error: BaseException | None = None
         self.waiter: asyncio.Future[None] | None = None
         # Takes body pieces as they arrive, in the connection's callback, instead of
-        # `iter_any()`; False when it cannot now (the piece is queued for `iter_any()`).
+        # `next_chunk()`; False when it cannot now (the piece is queued for `next_chunk()`).
         # Only while nothing is queued, so that pieces keep their order.
         self.sink: Callable[[bytes], bool] | None = None
 
