@@ -90,18 +90,27 @@ class CorrallmApp:
         self._building = asyncio.Lock()
         self.dashboard = Dashboard(gateway, admin_token, web_root)
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+    # The hot path's coroutines are few on purpose (SPEC §13): every level of `await`
+    # between the server and the upstream read is walked again each time the request
+    # resumes. So `__call__` hands over the coroutine it picked (a plain function), and
+    # `_http` runs a surface's request and its errors in one frame.
+
+    def __call__(self, scope: Scope, receive: Receive, send: Send) -> Awaitable[None]:
         kind = scope["type"]
         if kind == "http":
-            await self._http(scope, receive, send)
-        elif kind == "websocket":
-            if scope["path"] == "/v1/realtime":
-                await realtime.relay(self.pipeline, scope, receive, send)
-            else:
-                await receive()
-                await send({"type": "websocket.close", "code": 1008})
-        elif kind == "lifespan":
-            await self._lifespan(receive, send)
+            return self._http(scope, receive, send)
+        if kind == "websocket":
+            return self._websocket(scope, receive, send)
+        if kind == "lifespan":
+            return self._lifespan(receive, send)
+        return _ignored()
+
+    async def _websocket(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["path"] == "/v1/realtime":
+            await realtime.relay(self.pipeline, scope, receive, send)
+        else:
+            await receive()
+            await send({"type": "websocket.close", "code": 1008})
 
     async def _http(self, scope: Scope, receive: Receive, send: Send) -> None:
         path: str = scope["path"]
@@ -114,15 +123,13 @@ class CorrallmApp:
         self._hop(scope, exchange)
         token = CURRENT.set(exchange)
         out = _answering(send, exchange)
-
-        async def work() -> None:
+        try:
             _require(scope["method"], surface.method, path)
             body = await self._body(scope, receive)
             exchange.capture = self.gateway.captures.open(exchange.id, scope, body)
             await surface.handler(self.pipeline, scope, receive, out, body)
-
-        try:
-            await self._answer(work(), surface.errors, out, scope, exchange.id)
+        except Exception as exc:
+            await self._failed(exc, surface.errors, out, scope, exchange.id)
         finally:
             CURRENT.reset(token)
             if exchange.capture is not None:
@@ -151,15 +158,26 @@ class CorrallmApp:
         scope: Scope,
         request_id: str | None = None,
     ) -> None:
-        """Run `work`; an error becomes the surface's error answer, and an unexpected one a
-        500 naming the request id under which the log has its traceback."""
+        """Run `work`; an error becomes the surface's error answer (`_failed`)."""
         try:
             await work
-        except ApiError as exc:
+        except Exception as exc:
+            await self._failed(exc, errors, send, scope, request_id)
+
+    @staticmethod
+    async def _failed(
+        exc: Exception,
+        errors: ErrorWriter,
+        send: Send,
+        scope: Scope,
+        request_id: str | None = None,
+    ) -> None:
+        """In an `except`: an `ApiError` becomes the surface's error answer, and an
+        unexpected error a 500 naming the request id under which the log has its
+        traceback. A client gone needs no answer."""
+        if isinstance(exc, ApiError):
             await errors(exc, send)
-        except ClientGone:
-            return
-        except Exception:
+        elif not isinstance(exc, ClientGone):
             request_id = request_id or new_request_id()
             log.exception("request=%s %s %s failed", request_id, scope["method"], scope["path"])
             error = internal(
@@ -325,12 +343,16 @@ def _reload_on_sighup(gateway: Gateway) -> None:
     loop.add_signal_handler(signal.SIGHUP, spawn)
 
 
+async def _ignored() -> None:
+    """A scope type this app does not speak: nothing to do."""
+
+
 def _answering(send: Send, exchange: Exchange) -> Send:
     """`send` with `X-Corrallm-Request-Id` on the answer's head (SPEC §21 O1), feeding the
     exchange's capture, if any, what goes out (O2)."""
     rid = exchange.id.encode()
 
-    async def answering(message: Message) -> None:
+    def answering(message: Message) -> Awaitable[None]:  # no coroutine of its own
         capture = exchange.capture
         if message["type"] == "http.response.start":
             exchange.answered = True
@@ -340,7 +362,7 @@ def _answering(send: Send, exchange: Exchange) -> Send:
                 capture.start(message["status"], headers)
         elif capture is not None:
             capture.body(message.get("body", b""))
-        await send(message)
+        return send(message)
 
     return answering
 

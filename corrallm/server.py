@@ -89,6 +89,10 @@ def run(config: Config, options: ServeOptions) -> None:
             # disconnect hook and a leaner response writer (corrallm/connection.py).
             http=protocol_class(HeadGuard(limits)),
             lifespan="on",
+            # Said, not guessed: `CorrallmApp.__call__` is a plain function returning the
+            # request's coroutine (one `await` level fewer), which uvicorn's guess would
+            # take for ASGI 2.
+            interface="asgi3",
             access_log=False,
             # corrallm never reads the client's address: no X-Forwarded-* rewriting
             # middleware on every request.

@@ -50,6 +50,9 @@ class Topology:
     models: dict[str, ServedModel] = field(default_factory=dict)  # by name and by alias
     served: list[ServedModel] = field(default_factory=list)  # each once, in config order
     tenancies: list[Tenancy] = field(default_factory=list)
+    # Callers by configured key (and None), made on first use: this topology's config
+    # is fixed, so is each key's lane.
+    _callers: dict[str | None, Caller] = field(default_factory=dict, init=False, repr=False)
 
     def caller(self, key: str | None, signed: str | None = None) -> Caller:
         """S1: the caller's lane, from its key (unknown and missing keys: the default).
@@ -60,9 +63,15 @@ class Topology:
             name = signed if signed in self.config.priority_groups else None
             name = name or self.config.scheduler.default_group
             return Caller(None, name, self.config.priority_groups.get(name), True)
+        known = self._callers.get(key)  # perf: a configured key's lane is made once
+        if known is not None:
+            return known
         lane = self.config.keys.get(key) if key else None
         group_name = lane or self.config.scheduler.default_group
-        return Caller(key, group_name, self.config.priority_groups.get(group_name), bool(lane))
+        caller = Caller(key, group_name, self.config.priority_groups.get(group_name), bool(lane))
+        if lane or key is None:  # never an unknown key: those are anybody's to invent
+            self._callers[key] = caller
+        return caller
 
     def hosted_by(self, extension: str) -> list[Model]:
         return [

@@ -21,7 +21,7 @@ import time
 from dataclasses import dataclass, field
 
 from corrallm.config.schema import Backend, Config, ProcessSpec
-from corrallm.cost.model import CostModel, Metered, Price
+from corrallm.cost.model import FREE, CostModel, Metered, Price
 from corrallm.cost.spend import SpendWindow, retry_after
 from corrallm.store import spend as table
 from corrallm.store.activity import Activity, ActivityLog
@@ -191,9 +191,11 @@ class Ledger:
     def price(self, visit: Visit) -> Price:
         """What the visit cost (computed once)."""
         if visit.price is None:
-            visit.price = Price()
-            if visit.backend is not None and visit.metered is not None:
-                visit.price = self.costs.request(visit.backend, visit.metered)
+            visit.price = (
+                FREE
+                if visit.backend is None or visit.metered is None
+                else self.costs.request(visit.backend, visit.metered)
+            )
         return visit.price
 
     def settle(self, visit: Visit) -> Price:

@@ -39,6 +39,9 @@ class Price:
     cost_usd: float = 0.0
 
 
+FREE = Price()  # what most requests cost: one, shared (a Price is never changed)
+
+
 class CostModel:
     def __init__(self, config: Config) -> None:
         self._classes = config.command_costs
@@ -59,7 +62,7 @@ class CostModel:
         if self.paid(backend):
             pricing = backend.pricing
             if pricing is None:
-                return Price()
+                return FREE
             usd = (
                 m.prompt_tokens * pricing.input_per_million
                 + m.completion_tokens * pricing.output_per_million
@@ -67,7 +70,7 @@ class CostModel:
             return Price(0.0, usd * backend.cost_factor)
         cls = self.cost_class(backend)
         if cls is None:
-            return Price()
+            return FREE
         if cls.modality == "audio":
             wh = m.bytes_in * cls.process_watts_per_byte + m.bytes_out * cls.generate_watts_per_byte
         else:

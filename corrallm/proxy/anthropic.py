@@ -141,7 +141,7 @@ async def serve(
 
 def _response_headers(admitted: Admitted) -> list[tuple[bytes, bytes]]:
     extra = [(b"x-corrallm-backend", admitted.route.id.encode())]
-    extra.extend((k.encode(), v.encode()) for k, v in admitted.waited.headers().items())
+    extra.extend(admitted.waited.raw())
     if admitted.visit.degraded:
         extra.append((b"x-corrallm-degraded", b"true"))
     return extra

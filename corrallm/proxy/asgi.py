@@ -17,6 +17,7 @@ Headers = list[tuple[bytes, bytes]]
 # The scope key under which corrallm's own server puts the request's side of its
 # connection (connection.py `LeanCycle`, a `Connection` here), for the hot path.
 CONNECTION = "corrallm.connection"
+_HEADER_INDEX = "corrallm.headers"  # `header()`'s index of the request's headers
 
 
 class BodyWriter(Protocol):
@@ -63,10 +64,15 @@ async def read_body(receive: Receive, limit: int) -> bytes:
 
 
 def header(scope: Scope, name: bytes) -> bytes | None:
-    for key, value in scope["headers"]:
-        if key == name:
-            return value  # type: ignore[no-any-return]
-    return None
+    """The request's first `name` header (names as the server gives them: lowercase).
+
+    A request's headers are looked up half a dozen times on the hot path (key, lane,
+    body length...): the first lookup indexes them in the scope, each one after is a
+    dict lookup instead of a scan of every header the client sent."""
+    index: dict[bytes, bytes] | None = scope.get(_HEADER_INDEX)
+    if index is None:
+        index = scope[_HEADER_INDEX] = dict(reversed(scope["headers"]))  # the first wins
+    return index.get(name)
 
 
 async def send_bytes(

@@ -58,7 +58,8 @@ class Response:
     def __init__(self, conn: _Connection, head_only: bool) -> None:
         self._conn = conn
         self.status = 0
-        self.raw_headers: list[tuple[bytes, bytes]] = []
+        self.headers: list[tuple[bytes, bytes]] = []  # as they came, names lowercased
+        self._content_type = b""
         self.head_only = head_only
         self.headers_done: asyncio.Future[None] = conn.loop.create_future()
         self.chunks: collections.deque[bytes] = collections.deque()
@@ -73,10 +74,9 @@ class Response:
 
     @property
     def content_type(self) -> str:
-        for name, value in self.raw_headers:
-            if name.lower() == b"content-type":
-                return value.split(b";", 1)[0].strip().lower().decode("latin-1")
-        return "application/octet-stream"
+        if not self._content_type:
+            return "application/octet-stream"
+        return self._content_type.split(b";", 1)[0].strip().lower().decode("latin-1")
 
     async def next_chunk(self) -> bytes | None:
         """The body's next piece as it arrived, or None at its end; raises what broke it.
@@ -173,17 +173,21 @@ class _Connection(asyncio.Protocol):
 
     def on_message_begin(self) -> None:
         assert self.response is not None
-        self.response.raw_headers = []
+        self.response.headers = []
+        self.response._content_type = b""
         self.has_length = self.chunked = False
 
     def on_header(self, name: bytes, value: bytes) -> None:
         assert self.response is not None
         lowered = name.lower()
-        if lowered == b"content-length":
+        if lowered == b"content-type":
+            if not self.response._content_type:  # the first one counts
+                self.response._content_type = value
+        elif lowered == b"content-length":
             self.has_length = True
         elif lowered == b"transfer-encoding" and b"chunked" in value.lower():
             self.chunked = True
-        self.response.raw_headers.append((name, value))
+        self.response.headers.append((lowered, value))
 
     def on_headers_complete(self) -> None:
         response = self.response
@@ -310,24 +314,24 @@ class Client:
         data = head + body
         head_only = method == "HEAD"
         conn = self._pooled(key)
-        if conn is not None:
+        fresh = conn is None
+        while True:  # one coroutine for the exchange: the hot path awaits it (app.py)
+            if conn is None:
+                conn = await self._connect(key)
+            response = Response(conn, head_only)
+            conn.send(response, data, idle_timeout)
             try:
-                return await self._exchange(conn, data, head_only, idle_timeout)
+                await response.headers_done
             except ServerDisconnected:
-                pass  # nothing came back: resend, once, on a fresh connection
-        return await self._exchange(await self._connect(key), data, head_only, idle_timeout)
-
-    async def _exchange(
-        self, conn: _Connection, data: bytes, head_only: bool, idle_timeout: float | None
-    ) -> Response:
-        response = Response(conn, head_only)
-        conn.send(response, data, idle_timeout)
-        try:
-            await response.headers_done
-        except BaseException:
-            conn.close()
-            raise
-        return response
+                conn.close()
+                if fresh:
+                    raise
+                conn, fresh = None, True  # nothing came back: resend, once, on a fresh one
+                continue
+            except BaseException:
+                conn.close()
+                raise
+            return response
 
     def _target(self, url: str) -> tuple[tuple[str, str, int], bytes, bytes]:
         """(scheme, host, port), the Host header and the request target, parsed once."""

@@ -49,6 +49,10 @@ class Waited:
             "x-corrallm-load-ms": str(round(self.load_ms)),
         }
 
+    def raw(self) -> list[tuple[bytes, bytes]]:
+        """`headers()` as an answer's head carries them."""
+        return [(WAITED[0], b"%d" % round(self.queue_ms)), (WAITED[1], b"%d" % round(self.load_ms))]
+
 
 class Waiting(Protocol):
     """Where the pipeline tells a waiting client why it waits, and how long it has so far."""
@@ -151,7 +155,7 @@ class SSEFeedback:
         if not self.opened:
             self.opened = True
             # The wait so far; its total follows as a comment once it is over.
-            so_far = [(k.encode(), v.encode()) for k, v in waited.headers().items()]
+            so_far = waited.raw()
             headers = SSE_HEADERS + so_far
             await self._send({"type": "http.response.start", "status": 200, "headers": headers})
         line = b": " + text.replace("\n", " ").encode() + b"\n\n"

@@ -205,7 +205,7 @@ async def forward(
         client, scope["method"], url, body, headers, idle_timeout, backend_id, meter
     )
     async with response:
-        raw = [(k.lower(), v) for k, v in response.raw_headers if k.lower() not in _DROP_RESPONSE]
+        raw = [(k, v) for k, v in response.headers if k not in _DROP_RESPONSE]
         raw.extend(extra_response_headers)
         content_type = response.content_type
         sse = content_type == "text/event-stream"

@@ -11,6 +11,7 @@ parsing.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Awaitable
 from typing import Any
 
 import orjson
@@ -113,10 +114,11 @@ def filtered(payload: dict[str, Any], route: Route) -> bool:
     return bool(route.filters) and route.filters.apply(payload, payload.get("model"))
 
 
-async def serve(
+def serve(
     pipeline: Pipeline, scope: Scope, receive: Receive, send: Send, body: bytes
-) -> None:
-    """A JSON request: chat, completions, embeddings, rerank, speech."""
+) -> Awaitable[None]:
+    """A JSON request: chat, completions, embeddings, rerank, speech. (Plain functions
+    down to the pipeline's coroutine, as app.py explains: no `await` level of their own.)"""
     payload, model = parse_request(body)
     stream = payload.get("stream")
     if stream is not None and not isinstance(stream, bool):
@@ -125,10 +127,10 @@ async def serve(
     limit, rewritten = token_limit(payload)
     if rewritten:
         body = orjson.dumps(payload)
-    await serve_parsed(pipeline, scope, receive, send, body, payload, model, limit)
+    return serve_parsed(pipeline, scope, receive, send, body, payload, model, limit)
 
 
-async def serve_parsed(
+def serve_parsed(
     pipeline: Pipeline,
     scope: Scope,
     receive: Receive,
@@ -137,9 +139,10 @@ async def serve_parsed(
     payload: dict[str, Any],
     model: str,
     limit: int | None = None,
-) -> None:
-    """Admit, forward and meter one request whose model is known. A non-JSON body (an
-    audio upload) has only `model` in `payload` and is forwarded byte for byte."""
+) -> Awaitable[None]:
+    """Admit, forward and meter one request whose model is known (the pipeline's
+    coroutine, to await). A non-JSON body (an audio upload) has only `model` in `payload`
+    and is forwarded byte for byte."""
     path: str = scope["path"]
     inbound = Inbound(
         model,
@@ -160,7 +163,7 @@ async def serve_parsed(
     async def work(admitted: Admitted) -> int:
         route, ticket, visit = admitted.route, admitted.ticket, admitted.visit
         extra = [(b"x-corrallm-backend", route.id.encode())]
-        extra.extend((k.encode(), v.encode()) for k, v in admitted.waited.headers().items())
+        extra.extend(admitted.waited.raw())
         if visit.degraded:
             extra.append((b"x-corrallm-degraded", b"true"))
         if path in UPLOAD_PATHS:
@@ -196,7 +199,7 @@ async def serve_parsed(
 
     watch = DisconnectWatch(receive, scope)
     direct = direct_writer(scope) if inbound.stream else None
-    await pipeline.run_http(inbound, work, watch, interrupted, feedback)
+    return pipeline.run_http(inbound, work, watch, interrupted, feedback)
 
 
 async def upstream(

@@ -103,13 +103,16 @@ class Meter:
         if self.sse:
             events = data.count(b"\n\n")  # LF framing; else count the CR kinds too
             self.events += events if events else count_events(data)
+            # One scan per chunk where no event names usage (most backends' token chunks).
             # Only a usage object is worth parsing; with include_usage every other chunk
             # carries `"usage": null`, and parsing those was a tenth of a stream's cost.
-            if b'"usage":{' in data or b'"usage": {' in data:
-                data = self._usage_events(data)
-            if self.strip_usage and b'"usage":' in data:
-                # With include_usage every chunk carries `"usage": null`: not for this client.
-                data = data.replace(b',"usage":null', b"").replace(b', "usage": null', b"")
+            if data.find(b'"usage":') >= 0:
+                if b'"usage":{' in data or b'"usage": {' in data:
+                    data = self._usage_events(data)
+                if self.strip_usage and b'"usage":' in data:
+                    # With include_usage every chunk carries `"usage": null`: not for this
+                    # client.
+                    data = data.replace(b',"usage":null', b"").replace(b', "usage": null', b"")
         elif self._keep_body and len(self._body) < MAX_METERED_BODY:
             self._body += data
         self.bytes_out += len(data)

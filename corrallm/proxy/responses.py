@@ -85,7 +85,7 @@ async def serve(
     async def work(admitted: Admitted) -> int:
         route, visit = admitted.route, admitted.visit
         extra = [(b"x-corrallm-backend", route.id.encode())]
-        extra.extend((k.encode(), v.encode()) for k, v in admitted.waited.headers().items())
+        extra.extend(admitted.waited.raw())
         if visit.degraded:
             extra.append((b"x-corrallm-degraded", b"true"))
         headers = admitted.upstream_headers(scope["headers"])

@@ -345,11 +345,14 @@ class Scheduler:
 
     def _fill(self, backend: Backend, now: float) -> list[Admit]:
         """Hand freed slots out: first to preemption takers, then by weighted fairshare."""
-        admits = []
-        for victim, taker in list(backend.handoffs.items()):
-            if victim not in backend.running:
-                del backend.handoffs[victim]
-                admits.append(self._from_queue(taker, backend, now))
+        admits: list[Admit] = []
+        if backend.handoffs:
+            for victim, taker in list(backend.handoffs.items()):
+                if victim not in backend.running:
+                    del backend.handoffs[victim]
+                    admits.append(self._from_queue(taker, backend, now))
+        if not backend.queued:
+            return admits  # perf (SPEC §13): nobody waits here, the common case
         while len(backend.running) + len(backend.handoffs) < backend.capacity:  # perf: full
             choice = self._next_group(backend, now)
             if choice is None:

@@ -154,6 +154,8 @@ def test_M4_a_backend_that_dies_after_ready_is_marked_failed_and_restarted_on_de
     assert failed["t"] - died < 1.0
     # Not persistent: the next request starts it again at once, without a back-off.
     assert httpx.post(gw.v1 + "/chat/completions", json=CHAT, timeout=30).status_code == 200
+    # The answer can beat the events stream to the test: wait for the events it implies.
+    events.at("starting->ready", after=events.at("failed->starting"))
     assert events.moves()[4:6] == ["failed->starting", "starting->ready"]
 
 
