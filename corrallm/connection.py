@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
+from operator import itemgetter
 from typing import Any
 
 from uvicorn.protocols.http.httptools_impl import (
@@ -38,6 +39,9 @@ from uvicorn.protocols.http.httptools_impl import (
 
 from corrallm.head_guard import GuardedProtocol, HeadGuard
 from corrallm.proxy.asgi import CONNECTION
+
+_NAME, _VALUE = itemgetter(0), itemgetter(1)
+_FRAMING = frozenset({b"content-length", b"transfer-encoding", b"connection"})
 
 
 class LeanCycle(RequestResponseCycle):
@@ -137,26 +141,30 @@ class LeanCycle(RequestResponseCycle):
         headers = [*self.default_headers, *extra]
         # uvicorn's checks, one search over all names and one over all values: joining
         # adds no byte either expression looks for.
-        if HEADER_RE.search(b"".join(name for name, _ in headers)):
+        if HEADER_RE.search(b"".join(map(_NAME, headers))):
             raise RuntimeError("Invalid HTTP header name.")
-        if HEADER_VALUE_RE.search(b"".join(value for _, value in headers)):
+        if HEADER_VALUE_RE.search(b"".join(map(_VALUE, headers))):
             raise RuntimeError("Invalid HTTP header value.")
         content = [STATUS_LINE[status]]
         has_connection_close = False
         for name, value in headers:
             name = name.lower()
-            if name == b"content-length" and self.chunked_encoding is None:
-                self.expected_content_length = int(value.decode())
-                self.chunked_encoding = False
-            elif name == b"transfer-encoding" and value.lower() == b"chunked":
-                self.expected_content_length = 0
-                self.chunked_encoding = True
-            elif name == b"connection":
+            content.extend((name, b": ", value, b"\r\n"))
+            if name not in _FRAMING:  # most headers: one set lookup (perf, SPEC §13)
+                continue
+            if name == b"content-length":
+                if self.chunked_encoding is None:
+                    self.expected_content_length = int(value.decode())
+                    self.chunked_encoding = False
+            elif name == b"transfer-encoding":
+                if value.lower() == b"chunked":
+                    self.expected_content_length = 0
+                    self.chunked_encoding = True
+            else:  # connection
                 tokens = [token.lower().strip() for token in value.split(b",")]
                 if b"close" in tokens:
                     self.keep_alive = False
                     has_connection_close = True
-            content.extend((name, b": ", value, b"\r\n"))
         if not self.keep_alive and not has_connection_close:
             content.append(b"connection: close\r\n")
         if (

@@ -174,20 +174,10 @@ class _Connection(asyncio.Protocol):
     def on_message_begin(self) -> None:
         assert self.response is not None
         self.response.headers = []
-        self.response._content_type = b""
-        self.has_length = self.chunked = False
 
     def on_header(self, name: bytes, value: bytes) -> None:
         assert self.response is not None
-        lowered = name.lower()
-        if lowered == b"content-type":
-            if not self.response._content_type:  # the first one counts
-                self.response._content_type = value
-        elif lowered == b"content-length":
-            self.has_length = True
-        elif lowered == b"transfer-encoding" and b"chunked" in value.lower():
-            self.chunked = True
-        self.response.headers.append((lowered, value))
+        self.response.headers.append((name.lower(), value))
 
     def on_headers_complete(self) -> None:
         response = self.response
@@ -196,6 +186,15 @@ class _Connection(asyncio.Protocol):
         if 100 <= status < 200:
             return  # an interim answer (100 Continue, 103 Early Hints): the real one follows
         response.status = status
+        # What the head says of its body, looked up once here rather than per header.
+        first = dict(reversed(response.headers))
+        response._content_type = first.get(b"content-type", b"")
+        self.has_length = b"content-length" in first
+        self.chunked = b"transfer-encoding" in first and any(
+            b"chunked" in value.lower()
+            for name, value in response.headers
+            if name == b"transfer-encoding"
+        )
         # Read now: llhttp forgets it once the message is complete.
         self.keep_alive = self.parser.should_keep_alive()
         response.headers_done.set_result(None)
