@@ -167,8 +167,16 @@ class Upstreams:
 
 
 def start_corrallm(
-    procs: Procs, fast_port: int, stream_port: int, llama_port: int | None = None
+    procs: Procs,
+    fast_port: int,
+    stream_port: int,
+    llama_port: int | None = None,
+    launcher: list[str] | None = None,
+    more: dict[str, int] | None = None,
 ) -> Target:
+    """`corrallm serve` in front of the bench's upstreams (and `more` models: name ->
+    upstream port); `launcher` runs it instead of `python -m corrallm` (bench/opcodes.py's
+    counting wrapper)."""
     port = free_port()
     config = procs.tmp / "corrallm.yaml"
     # maxConcurrent above the stream count: a stream's next round may arrive before the slot
@@ -184,11 +192,13 @@ def start_corrallm(
             if llama_port
             else ""
         )
+        + "".join(
+            f"  {name}: {{backends: [{{proxy: 'http://127.0.0.1:{p}', maxConcurrent: 4096}}]}}\n"
+            for name, p in (more or {}).items()
+        )
     )
     cmd = [
-        PY,
-        "-m",
-        "corrallm",
+        *(launcher or [PY, "-m", "corrallm"]),
         "serve",
         "--config",
         str(config),
@@ -338,15 +348,16 @@ def start_nginx(procs: Procs, nginx: str, fast_port: int, stream_port: int) -> T
     )
 
 
-def fake_answers() -> tuple[bytes, list[bytes], int]:
+def fake_answers(tokens: int = STREAM_TOKENS) -> tuple[bytes, list[bytes], int]:
     """The bytes `corrallm fake-backend` would send: the non-streamed answer to the bench's
-    request, and the events of a streamed one with the index of its first token event."""
+    request, and the events of a streamed one (`tokens` long) with the index of its first
+    token event."""
     from corrallm.fake_backend import responses as r
 
     prompt = r.count_words(PROMPT[0]["content"])
     body = r.chat_completion("chatcmpl-bench", 1700000000, "bench", FAST_TOKENS, "length", prompt)
     events, first = r.stream_events(
-        True, "chatcmpl-bench", 1700000000, "bench-stream", STREAM_TOKENS, "stop", prompt, False
+        True, "chatcmpl-bench", 1700000000, "bench-stream", tokens, "stop", prompt, False
     )
     return body, events, first
 
@@ -379,23 +390,30 @@ def build_c(tmp: Path) -> dict[str, Path]:
     return out
 
 
-def start_stream_upstream(procs: Procs, exe: Path, delay: float) -> tuple[int, Any]:
-    """The C streaming upstream, sending the fake backend's events `delay` apart."""
-    _, events, first = fake_answers()
+def start_stream_upstream(
+    procs: Procs,
+    exe: Path,
+    delay: float,
+    tokens: int = STREAM_TOKENS,
+    name: str = "stream-upstream",
+) -> tuple[int, Any]:
+    """The C streaming upstream, sending the fake backend's events (`tokens` of them)
+    `delay` apart."""
+    _, events, first = fake_answers(tokens)
     lines = []
     for i, event in enumerate(events):
         if event == b"data: [DONE]\n\n":
             continue  # the program ends every stream with it
         assert event.startswith(b"data: ") and event.endswith(b"\n\n") and b"\n" not in event[:-2]
-        delayed = first < i < first + STREAM_TOKENS  # as the fake backend spaces them
+        delayed = first < i < first + tokens  # as the fake backend spaces them
         lines.append(b"1 " if delayed else b"0 ")
         lines.append(event[6:-2] + b"\n")
-    path = procs.tmp / "stream-events.txt"
+    path = procs.tmp / f"{name}-events.txt"
     path.write_bytes(b"".join(lines))
     port = free_port()
     cmd = [str(exe), str(port), str(path), str(round(delay * 1e6))]
-    proc = procs.start("stream-upstream", cmd, "backend")
-    procs.wait_healthy("stream-upstream", proc, f"http://127.0.0.1:{port}/health")
+    proc = procs.start(name, cmd, "backend")
+    procs.wait_healthy(name, proc, f"http://127.0.0.1:{port}/health")
     return port, proc
 
 
