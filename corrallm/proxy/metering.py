@@ -30,12 +30,15 @@ _BLANK_LINE = re.compile(rb"(?:\r\n|\r(?!\n)|\n)(?:\r\n|\r(?!\n)|\n)")
 def split_events(data: bytes) -> tuple[bytes, bytes]:
     """Whole SSE events (up to the last blank line), and the partial one still arriving.
 
-    The hot path: LF-framed data is one `rfind`, and a `find` for a CR after it (usually
-    over nothing: reads end at event boundaries). With CRs, a blank line is any of LF LF,
-    CR CR or LF CR in a row, plus the LF that may end the second line end when it is a
-    CRLF. A CR last in `data` is cut after: the LF of its CRLF, if one follows, opens the
-    next piece (the bytes relayed are unchanged).
+    The hot path: a piece that ends with a blank line and holds no CR (nearly every read
+    of an LF-framed stream, as reads end at event boundaries) is whole as it is; other
+    LF-framed data is one `rfind`, and a `find` for a CR after it. With CRs, a blank line
+    is any of LF LF, CR CR or LF CR in a row, plus the LF that may end the second line end
+    when it is a CRLF. A CR last in `data` is cut after: the LF of its CRLF, if one
+    follows, opens the next piece (the bytes relayed are unchanged).
     """
+    if data.endswith(b"\n\n") and data.find(b"\r") < 0:
+        return data, b""  # a stream's usual piece: whole LF-framed events, nothing torn
     cut = data.rfind(b"\n\n")
     if cut >= 0:
         cut += 2
@@ -101,8 +104,8 @@ class Meter:
         if self.first_byte is None:
             self.first_byte = time.monotonic()
         if self.sse:
-            events = data.count(b"\n\n")  # LF framing; else count the CR kinds too
-            self.events += events if events else count_events(data)
+            # LF framing; else count the CR kinds too.
+            self.events += data.count(b"\n\n") or count_events(data)
             # One scan per chunk where no event names usage (most backends' token chunks).
             # Only a usage object is worth parsing; with include_usage every other chunk
             # carries `"usage": null`, and parsing those was a tenth of a stream's cost.
