@@ -15,6 +15,14 @@ same decisions made in process, in one run:
 - `hop, c=64`: 64 requests in flight from one worker: requests/s through the owner, and
   the owner's CPU time per request (utime+stime from /proc) — the cost that would land on
   the one core the owner runs on, whatever the number of workers.
+- `owner's whole share, c=64`: the same hop, but the owner does for each request all
+  that the design leaves it (docs/design.md, "More than one core"), with corrallm's own
+  objects: a real `Gateway` on a proxy-only config, the caller's lane, the model's tiers,
+  the live list, `Admission.acquire` and `release` (its futures and tickets, not only the
+  core), and at the end `Gateway.settle` (the ledger, metrics, the activity row and the
+  store's writer thread). Workers would send rows and metrics in batches; the owner still
+  does this work per request. This is the number the issue's rule (build it only if it
+  stays <= 50 µs a request) is about.
 
 The owner is pinned to the last CPU and the worker to the first where there are two.
 Messages are 16-byte structs (`<cIIf`: kind, request id, group index, usage), the
@@ -34,6 +42,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -69,7 +78,10 @@ def in_process(n: int) -> list[float]:
 # -- the owner: admission over a Unix socket --------------------------------------------
 
 
-async def serve(path: str) -> None:
+async def serve(path: str, whole: bool = False) -> None:
+    if whole:
+        await serve_whole(path)
+        return
     scheduler = core()
     size = MESSAGE.size
 
@@ -90,6 +102,64 @@ async def serve(path: str) -> None:
     server = await asyncio.start_unix_server(worker, path)
     async with server:
         await server.serve_forever()
+
+
+async def serve_whole(path: str) -> None:
+    """The owner with its whole share per request (see the module's docstring)."""
+    from corrallm.config import load_config
+    from corrallm.cost.ledger import Visit
+    from corrallm.cost.model import Metered
+    from corrallm.gateway import Gateway
+    from corrallm.observe.context import new_request_id
+
+    home = Path(tempfile.mkdtemp(prefix="corrallm-hop-"))
+    (home / "c.yaml").write_text(
+        "models:\n  bench: {backends: [{proxy: 'http://127.0.0.1:9', maxConcurrent: 4096}]}\n"
+        "keys: {k0: g0, k1: g1, k2: g2, k3: g3}\n"
+        "priorityGroups: {g0: {weight: 1}, g1: {weight: 2}, g2: {weight: 3}, g3: {weight: 4}}\n"
+    )
+    gw = Gateway(load_config(home / "c.yaml"), home)
+    await gw.start()
+    served = gw.models["bench"]
+    size = MESSAGE.size
+    held: dict[int, Any] = {}
+
+    async def acquire(rid: int, group: int) -> None:
+        caller = gw.caller(f"k{group % 4}")
+        visit = Visit(caller.key, caller.group_name, "bench", "/v1/chat/completions", 80)
+        visit.request_id = new_request_id()
+        live = gw.live.enter(visit)
+        tiers = served.tiers_for(caller.group, gw.placeable)
+        ticket = await gw.admission.acquire(caller.group_name, caller.group, tiers)
+        held[rid] = (visit, live, ticket)
+
+    def release(rid: int) -> None:
+        visit, live, ticket = held.pop(rid)
+        visit.backend, visit.backend_id = ticket.route.config, ticket.route.id
+        visit.admitted_mono, visit.status = visit.arrived_mono, 200
+        visit.metered = Metered(5, 16, 80, 300)
+        gw.admission.release(ticket, 21, 0.0)
+        gw.live.leave(live)
+        gw.settle(visit)
+
+    async def worker(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            while True:
+                kind, rid, group, _ = MESSAGE.unpack(await reader.readexactly(size))
+                if kind == b"A":
+                    await acquire(rid, group)
+                    writer.write(MESSAGE.pack(b"Y", rid, 0, 0.0))
+                else:
+                    release(rid)
+        except asyncio.IncompleteReadError:
+            writer.close()
+
+    server = await asyncio.start_unix_server(worker, path)
+    try:
+        async with server:
+            await server.serve_forever()
+    finally:
+        await gw.stop()
 
 
 # -- the worker ---------------------------------------------------------------------------
@@ -133,11 +203,40 @@ def pct(values: list[float], p: float) -> float:
     return ordered[min(len(ordered) - 1, int(p / 100 * len(ordered)))]
 
 
+def owner_run(
+    whole: bool, requests: int, concurrency: int, cpus: list[int]
+) -> tuple[list[float], list[float], float, float]:
+    """One owner process: the c=1 and c=`concurrency` hops through it, its requests/s at
+    c=`concurrency` and its CPU µs per request there."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = str(Path(tmp) / "admission.sock")
+        owner = subprocess.Popen(
+            [sys.executable, __file__, "--serve", path, *(["--whole"] if whole else [])],
+            preexec_fn=(lambda: os.sched_setaffinity(0, {cpus[-1]})) if len(cpus) > 1 else None,
+        )
+        try:
+            deadline = time.monotonic() + 30
+            while not Path(path).exists():
+                if owner.poll() is not None or time.monotonic() > deadline:
+                    raise SystemExit("the admission owner did not start")
+                time.sleep(0.01)
+            asyncio.run(hop(path, 2000, 1))  # warm-up
+            one, _ = asyncio.run(hop(path, requests, 1))
+            cpu0 = cpu_seconds(owner.pid)
+            many, rate = asyncio.run(hop(path, requests, concurrency))
+            owner_us = (cpu_seconds(owner.pid) - cpu0) / len(many) * 1e6
+        finally:
+            owner.terminate()
+            owner.wait(10)
+    return one, many, rate, owner_us
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--requests", type=int, default=20_000)
     parser.add_argument("--concurrency", type=int, default=64)
     parser.add_argument("--serve", help=argparse.SUPPRESS)  # the owner process
+    parser.add_argument("--whole", action="store_true", help=argparse.SUPPRESS)  # its share
     args = parser.parse_args()
     try:
         import uvloop
@@ -146,36 +245,21 @@ def main() -> None:
     except ImportError:
         pass
     if args.serve:
-        asyncio.run(serve(args.serve))
+        asyncio.run(serve(args.serve, args.whole))
         return
     cpus = sorted(os.sched_getaffinity(0))
-    with tempfile.TemporaryDirectory() as tmp:
-        path = str(Path(tmp) / "admission.sock")
-        owner = subprocess.Popen(
-            [sys.executable, __file__, "--serve", path],
-            preexec_fn=(lambda: os.sched_setaffinity(0, {cpus[-1]})) if len(cpus) > 1 else None,
-        )
-        try:
-            if len(cpus) > 1:
-                os.sched_setaffinity(0, set(cpus[:-1]))
-            deadline = time.monotonic() + 10
-            while not Path(path).exists():
-                if time.monotonic() > deadline:
-                    raise SystemExit("the admission owner did not start")
-                time.sleep(0.01)
-            local = in_process(args.requests)
-            asyncio.run(hop(path, 2000, 1))  # warm-up
-            one, _ = asyncio.run(hop(path, args.requests, 1))
-            cpu0 = cpu_seconds(owner.pid)
-            many, rate = asyncio.run(hop(path, args.requests, args.concurrency))
-            owner_us = (cpu_seconds(owner.pid) - cpu0) / len(many) * 1e6
-        finally:
-            owner.terminate()
-            owner.wait(10)
+    if len(cpus) > 1:
+        os.sched_setaffinity(0, set(cpus[:-1]))  # the worker; each owner gets the last CPU
+    local = in_process(args.requests)
+    c = args.concurrency
+    core_one, core_many, core_rate, core_us = owner_run(False, args.requests, c, cpus)
+    whole_one, whole_many, whole_rate, whole_us = owner_run(True, args.requests, c, cpus)
     rows = [
         ("in process (submit + release)", local, None),
-        ("hop, c=1 (acquire round trip + release)", one, None),
-        (f"hop, c={args.concurrency}", many, rate),
+        ("hop, c=1 (acquire round trip + release)", core_one, None),
+        (f"hop, c={c}", core_many, core_rate),
+        ("owner's whole share, c=1", whole_one, None),
+        (f"owner's whole share, c={c}", whole_many, whole_rate),
     ]
     print(f"{args.requests} requests, {len(cpus)} CPUs, owner pinned apart: {len(cpus) > 1}")
     print()
@@ -189,10 +273,8 @@ def main() -> None:
             f"| {f'{per_second:,.0f}' if per_second else '-'} | {p50 - base:+.1f} |"
         )
     print()
-    print(
-        f"owner CPU per request at c={args.concurrency}: {owner_us:.1f} µs "
-        f"(target: the hop <= {TARGET_US:.0f} µs per request)"
-    )
+    print(f"owner CPU per request at c={c}: the hop alone {core_us:.1f} µs; with the owner's")
+    print(f"whole share {whole_us:.1f} µs (target: <= {TARGET_US:.0f} µs per request)")
 
 
 if __name__ == "__main__":
