@@ -303,10 +303,12 @@ async def _relay_events(
     sink = None if direct is None else events.sink(direct)
     response.sink = sink
     try:
-        # With a sink: only what it declined comes here.
+        # With a sink: only what it declined comes here, and what arrived before it was
+        # set (a stream's first events come with its head), which it takes now if the
+        # client is ready for it.
         while (chunk := await response.next_chunk()) is not None:
             response.sink = None
-            if data := events.take(chunk):
+            if (sink is None or not sink(chunk)) and (data := events.take(chunk)):
                 await send({"type": "http.response.body", "body": data, "more_body": True})
             if not response.chunks:
                 response.sink = sink
