@@ -280,21 +280,15 @@ class Latency:
         rows = self.series.get(key)
         if rows is None:
             rows = self.series[key] = [[0.0] * (len(b) + 2) for _, _, b in HISTOGRAMS]
-        # `_add`, written out for the three every visit has (once per request, SPEC §13).
-        queue, row = visit.queue_ms / 1000, rows[_QUEUE]
-        row[bisect_left(SECONDS_BUCKETS, queue)] += 1
-        row[-1] += queue
+        _add(rows[_QUEUE], SECONDS_BUCKETS, visit.queue_ms / 1000)
         load = visit.load_ms / 1000
         if load >= LOAD_FLOOR_SECONDS:
             _add(rows[_LOAD], LOAD_BUCKETS, load)
-        duration, row = now - visit.arrived_mono, rows[_REQUEST]
-        row[bisect_left(SECONDS_BUCKETS, duration)] += 1
-        row[-1] += duration
+        duration = now - visit.arrived_mono
+        _add(rows[_REQUEST], SECONDS_BUCKETS, duration)
         ttfb = visit.ttfb_ms
         if ttfb is not None:
-            ttft, row = ttfb / 1000, rows[_TTFT]
-            row[bisect_left(SECONDS_BUCKETS, ttft)] += 1
-            row[-1] += ttft
+            _add(rows[_TTFT], SECONDS_BUCKETS, ttfb / 1000)
         metered = visit.metered
         if metered is not None and metered.completion_tokens > 0:
             generating = duration

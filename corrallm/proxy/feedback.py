@@ -42,16 +42,14 @@ class Waited:
     queue_ms: float = 0.0
     load_ms: float = 0.0
 
-    def headers(self) -> dict[str, str]:
-        """`X-Corrallm-Queue-Ms` and `X-Corrallm-Load-Ms`, on every answer (K4)."""
-        return {
-            "x-corrallm-queue-ms": str(round(self.queue_ms)),
-            "x-corrallm-load-ms": str(round(self.load_ms)),
-        }
-
     def raw(self) -> list[tuple[bytes, bytes]]:
-        """`headers()` as an answer's head carries them."""
+        """`X-Corrallm-Queue-Ms` and `X-Corrallm-Load-Ms`, on every answer (K4), as its
+        head carries them."""
         return [(WAITED[0], b"%d" % round(self.queue_ms)), (WAITED[1], b"%d" % round(self.load_ms))]
+
+    def headers(self) -> dict[str, str]:
+        """`raw()` as an `ApiError`'s headers."""
+        return {name.decode(): value.decode() for name, value in self.raw()}
 
 
 class Waiting(Protocol):

@@ -83,14 +83,10 @@ class Admission:
         self._ids = itertools.count(1)
         self._waiting: dict[int, asyncio.Future[str]] = {}
         self._running: dict[int, Ticket] = {}
-        # (id(group), backend type) -> (group, its policy): a lane's policy, made once per
-        # config. The group is kept with it, so that its id stands for no other meanwhile.
-        self._policies: dict[tuple[int, str], tuple[PriorityGroup | None, Policy]] = {}
 
     def reconfigure(self, config: Config, routes: dict[str, Route]) -> None:
         """A config reload (SPEC §10 P6): lanes and slots change, requests in flight stay."""
         self.config = config
-        self._policies = {}
         # Routes of removed backends stay known until their queued requests are gone.
         self.routes = {**self.routes, **routes}
         capacities = {r.id: r.config.max_concurrent for r in routes.values()}
@@ -257,17 +253,6 @@ class Admission:
         victim.task.cancel()
 
     def _policy(self, group: PriorityGroup | None, backend_type: str) -> Policy:
-        key = (id(group), backend_type)
-        known = self._policies.get(key)
-        if known is not None and known[0] is group:
-            return known[1]
-        policy = self._make_policy(group, backend_type)
-        if len(self._policies) >= 1024:  # groups of configs long gone, held by old requests
-            self._policies.clear()
-        self._policies[key] = (group, policy)
-        return policy
-
-    def _make_policy(self, group: PriorityGroup | None, backend_type: str) -> Policy:
         if group is None:
             chosen = BUILTIN_DEFAULT
         else:

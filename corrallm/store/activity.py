@@ -96,17 +96,8 @@ def rollups(rows: Sequence[Sequence[Any]]) -> tuple[list[tuple[Any, ...]], list[
     by_model: dict[tuple[Any, ...], list[Sequence[Any]]] = {}
     for row in rows:
         hour = int(row[_T]) // 3600 * 3600
-        grp = row[_GRP]
-        identity = (hour, row[_KEY] or "", grp)
-        if (members := by_key.get(identity)) is None:
-            by_key[identity] = [row]
-        else:
-            members.append(row)
-        identity = (hour, grp, row[_MODEL])
-        if (members := by_model.get(identity)) is None:
-            by_model[identity] = [row]
-        else:
-            members.append(row)
+        by_key.setdefault((hour, row[_KEY] or "", row[_GRP]), []).append(row)
+        by_model.setdefault((hour, row[_GRP], row[_MODEL]), []).append(row)
     # In key order: writers sharing a store lock the rollup rows they add to in the same
     # order, so two flushes at once wait for each other instead of deadlocking.
     return (
