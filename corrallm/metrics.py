@@ -139,7 +139,7 @@ class Metrics:
         yield _counter(
             "corrallm_backend_failures",
             "Backends marked failed, by reason: exited or unresponsive once ready (M4); "
-            "start_exited, start_timeout or stalled while starting (L3, M5)",
+            "start_exited, start_timeout, stalled or port_taken while starting (L3, M5)",
             ["backend", "reason"],
             self.failures,
         )

@@ -46,6 +46,12 @@ def upstream_url(base_url: str, path: str) -> str:
     return host + path
 
 
+def is_loopback(base_url: str) -> bool:
+    """A URL on this machine's loopback, where corrallm can see who listens."""
+    host = urlsplit(base_url).hostname or ""
+    return host == "localhost" or host == "::1" or host.startswith("127.")
+
+
 def free_port() -> int:
     """A port free now on loopback, for `${PORT}` (picked at each start)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:

@@ -19,9 +19,19 @@ from dataclasses import dataclass, field
 from typing import Any, Final, Literal
 
 # Why a backend was marked failed: the `reason` label of corrallm_backend_failures_total
-# and of the lifecycle event. The first two are M4 (it was ready), the rest L3/M5 (a start).
-FailureReason = Literal["exited", "unresponsive", "start_exited", "start_timeout", "stalled"]
-FAILURE_REASONS: Final = ("exited", "unresponsive", "start_exited", "start_timeout", "stalled")
+# and of the lifecycle event. The first two are M4 (it was ready), the rest L3/M5 (a start;
+# port_taken: another program listens on the port the backend was to bind).
+FailureReason = Literal[
+    "exited", "unresponsive", "start_exited", "start_timeout", "stalled", "port_taken"
+]
+FAILURE_REASONS: Final = (
+    "exited",
+    "unresponsive",
+    "start_exited",
+    "start_timeout",
+    "stalled",
+    "port_taken",
+)
 
 # A hung process is killed after this much grace at most (not the full stopGrace): it does
 # not answer, so waiting politely only keeps its in-flight requests hanging, and its memory.

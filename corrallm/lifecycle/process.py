@@ -113,6 +113,11 @@ class Processes(Protocol):
         """SIGTERM, `grace`, SIGKILL; returns "terminated" or "killed" once it is gone."""
         ...
 
+    async def port_holder(self, port: int, ours: Spawned) -> str | None:
+        """Who else listens on loopback `port` ("pid N (its command)"); None when the
+        listener is `ours` or cannot be seen."""
+        ...
+
 
 class ProcessGroups:
     """The real `Processes`: process groups of this machine."""
@@ -143,6 +148,10 @@ class ProcessGroups:
 
     async def stop_group(self, pgid: int, exited: asyncio.Future[int], grace: float) -> str:
         return await stop_group(pgid, exited, grace)
+
+    async def port_holder(self, port: int, ours: Spawned) -> str | None:
+        # It reads /proc of every process (~20 ms on a quiet box): off the event loop.
+        return await asyncio.to_thread(port_holder, port, ours)
 
 
 async def spawn(argv: list[str], env: Mapping[str, str], cwd: str | None, output: Path) -> Spawned:
@@ -236,3 +245,58 @@ async def _wait_gone(pgid: int, exited: asyncio.Future[int], within: float) -> b
             return True
         await asyncio.sleep(0.05)
     return not group_alive(pgid)
+
+
+# The addresses a listener answers loopback requests on.
+_LOOPBACK_OR_ANY = ("0.0.0.0", "::", "::1", "::ffff:127.0.0.1")
+
+
+def port_holder(port: int, ours: Spawned) -> str | None:
+    """The process, not of `ours` (its group or a descendant), that listens on TCP `port`
+    where a loopback request reaches it: `"pid N (its command)"`, or None.
+
+    None also when no listener can be seen: another user's process (docker-proxy, as root)
+    or another network namespace's is not ours to judge, so only a listener known to be a
+    stranger counts. A backend that daemonizes out of its group counts as a stranger; it
+    escapes the group signals too, and wants `supervision: command`, `docker` or `systemd`.
+    """
+    if _listens(ours.pid, port):
+        return None  # the usual answer, from the backend's own sockets alone
+    seen: list[int] = []
+    for conn in psutil.net_connections(kind="tcp"):
+        if conn.status != psutil.CONN_LISTEN or not conn.laddr or conn.laddr.port != port:
+            continue
+        ip = conn.laddr.ip
+        if conn.pid is None or not (ip.startswith("127.") or ip in _LOOPBACK_OR_ANY):
+            continue
+        if _is_ours(conn.pid, ours):
+            return None
+        seen.append(conn.pid)
+    return _describe(seen[0]) if seen else None
+
+
+def _listens(pid: int, port: int) -> bool:
+    try:
+        connections = psutil.Process(pid).net_connections(kind="tcp")
+    except psutil.Error:
+        return False
+    return any(c.status == psutil.CONN_LISTEN and c.laddr.port == port for c in connections)
+
+
+def _is_ours(pid: int, ours: Spawned) -> bool:
+    try:
+        if os.getpgid(pid) == ours.pgid:
+            return True
+        return any(parent.pid == ours.pid for parent in psutil.Process(pid).parents())
+    except (OSError, psutil.Error):
+        return False  # gone since the listing: not a listener of ours either
+
+
+def _describe(pid: int) -> str:
+    if pid == os.getpid():
+        return f"corrallm itself (pid {pid})"
+    try:
+        command = " ".join(psutil.Process(pid).cmdline()) or "?"
+    except psutil.Error:
+        command = "?"
+    return f"pid {pid} ({command[:160]})"

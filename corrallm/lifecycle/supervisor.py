@@ -28,7 +28,13 @@ from typing import Any
 from corrallm.config.schema import GPU_PLACEHOLDER, PORT_PLACEHOLDER, ProcessSpec
 from corrallm.lifecycle import sleep as sleeping
 from corrallm.lifecycle import slots, supervision
-from corrallm.lifecycle.addresses import free_port, origin, port_of, resolve_url
+from corrallm.lifecycle.addresses import (
+    free_port,
+    is_loopback,
+    origin,
+    port_of,
+    resolve_url,
+)
 from corrallm.lifecycle.errors import (
     BackendFailed,
     BackendPaused,
@@ -67,6 +73,8 @@ Sleep = Callable[[float], Coroutine[Any, Any, None]]
 # Who asked for a start, charged for its load energy: (key name, group, model).
 Cause = tuple[str | None, str, str]
 
+# A port picked for ${PORT} can be bound by another program before the backend binds it.
+PORT_TRIES = 3
 HEALTH_POLL_SECONDS = 0.05  # L1: within 250 ms; §13: first byte within 100 ms of healthy
 LOG_TAIL_LINES = 15
 SLEEP_TIMEOUT = 60.0  # W1: a sleep call that takes longer has failed (the process is stopped)
@@ -408,9 +416,20 @@ class Supervisor:
             raise
 
     async def _spawn_and_wait(self, placement: Placement) -> None:
+        """Spawn it and wait for a healthy answer from it (L1). A port picked for
+        `${PORT}` that another program bound first is picked again, PORT_TRIES times."""
+        began = self.clock()
+        for attempt in range(1, PORT_TRIES + 1):
+            retry = await self._spawn_once(placement, began, attempt == PORT_TRIES)
+            if not retry:
+                return
+
+    async def _spawn_once(self, placement: Placement, began: float, last: bool) -> bool:
+        """One spawn and wait on a freshly picked port; True to try again on another."""
         assert self.spec.proxy is not None
         proxy = self.spec.proxy
-        self.port = free_port() if PORT_PLACEHOLDER in proxy else port_of(proxy)
+        picked = PORT_PLACEHOLDER in proxy
+        self.port = free_port() if picked else port_of(proxy)
         self.base_url = resolve_url(proxy, self.port)
         values = {PORT_PLACEHOLDER: str(self.port)}
         env: dict[str, str] = {}
@@ -422,7 +441,6 @@ class Supervisor:
         plan = self._strategy = supervision.strategy(self.spec, cmd)
         self.logs.open()
         self.logs.note(f"starting: {plan.describe()} (supervision: {self.spec.supervision})")
-        began = self.clock()
         proc: Spawned | None = None
         try:
             if plan.start is not None:
@@ -432,16 +450,22 @@ class Supervisor:
                 if code != 0:
                     what = "did not finish" if code is None else f"exited with code {code}"
                     reason = f"its start command `{plan.describe()}` {what}"
-                    return self._fail(reason, "start_exited")
+                    self._fail(reason, "start_exited")
+                    return False
             if plan.serve is not None:
                 proc = await self.processes.spawn(plan.serve, env, self.spec.cwd, self._output)
         except OSError as exc:
-            return self._fail(f"could not run its command: {exc}", "start_exited")
+            self._fail(f"could not run its command: {exc}", "start_exited")
+            return False
         if proc is not None:
             self._own(proc)
             self.logs.note(f"spawned pid {proc.pid}")
             self.records.write(self._record())
         outcome = await self._await_health(proc)
+        if proc is not None and outcome in ("healthy", "exited"):
+            holder = await self._port_holder(proc)
+            if holder is not None:
+                return await self._port_taken(proc, holder, outcome, picked, last)
         if outcome == "healthy":
             self.logs.catch_up()  # what it printed while loading (n_ctx, n_slots) is parsed now
             if self.spec.slot_save and cmd is not None:
@@ -452,7 +476,7 @@ class Supervisor:
             self.logs.note(f"ready in {self.last_load_seconds:.2f}s at {self.base_url}")
             self._move(State.READY)
             self._start_watch(proc)
-            return None
+            return False
         kind: FailureReason = "start_timeout"
         if outcome == "exited" and proc is not None:
             kind, reason = "start_exited", f"exited with code {proc.exited.result()} while starting"
@@ -469,7 +493,36 @@ class Supervisor:
             await self._reap(proc, reason)
         else:
             await self._run_stop(reason)
-        return self._fail(reason, kind)
+        self._fail(reason, kind)
+        return False
+
+    async def _port_holder(self, proc: Spawned) -> str | None:
+        """Another program listening on the loopback port this backend was to bind: a
+        health answer from it is not this backend's (and requests would go to it)."""
+        if self.port is None or not is_loopback(self.base_url):
+            return None
+        return await self.processes.port_holder(self.port, proc)
+
+    async def _port_taken(
+        self, proc: Spawned, holder: str, outcome: str, picked: bool, last: bool
+    ) -> bool:
+        reason = f"port {self.port} is held by {holder}, not by this backend"
+        if outcome == "healthy":
+            reason += " (it answered the health check in the backend's place)"
+        await self._reap(proc, reason)
+        if picked and not last:
+            self.logs.note(
+                "it took the port between corrallm picking it and the backend binding it; "
+                "starting again on another port"
+            )
+            return True
+        advice = (
+            f"{PORT_TRIES} ports picked in a row were taken before the backend bound them"
+            if picked
+            else "stop that program, or give this backend another port in `proxy`"
+        )
+        self._fail(f"{reason}: {advice}", "port_taken")
+        return False
 
     def _start_cap(self) -> tuple[float, str]:
         """The hard cap on a start (M5): health.startTimeout, else --health-timeout."""

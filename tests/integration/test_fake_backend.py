@@ -6,7 +6,6 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -19,13 +18,9 @@ import psutil
 import pytest
 from openai import OpenAI
 
+from tests.support.processes import free_port
+
 DEADLINE = 15.0
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def wait_until(cond: Callable[[], Any], timeout: float = DEADLINE, what: str = "condition") -> Any:

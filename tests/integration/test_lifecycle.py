@@ -53,6 +53,30 @@ def test_L1_cold_request_waits_for_the_real_health_check(gateway_factory):
     assert "ready in" in log
 
 
+def test_L1_a_backend_port_that_is_corrallms_own_fails_the_start_instead_of_looping(
+    gateway_factory,
+):
+    """A fixed `proxy` port that corrallm itself listens on: its own /health answers for the
+    backend, which cannot bind. The start fails naming corrallm, and no request is sent
+    back into corrallm."""
+    port = free_port()
+    config = f"""
+models:
+  m:
+    backends:
+      - cmd: "corrallm fake-backend --port {port}"
+        proxy: "{port}"
+"""
+    gw = gateway_factory(config, port=port)
+    response = httpx.post(gw.v1 + "/chat/completions", json=CHAT, timeout=30)
+    assert response.status_code == 502, response.text
+    error = response.json()["error"]
+    assert error["code"] == "backend_start_failed"
+    assert f"port {port} is held by corrallm itself (pid {gw.proc.pid})" in error["message"]
+    assert "give this backend another port in `proxy`" in error["message"]
+    assert "transition=starting->ready" not in gw.log()  # never routed to as a backend
+
+
 def test_L2_concurrent_cold_requests_coalesce_into_one_spawn(gateway_factory):
     gw = gateway_factory(one_model(fake_cmd("--load-seconds", "1"), maxConcurrent=8))
     with concurrent.futures.ThreadPoolExecutor(8) as pool:

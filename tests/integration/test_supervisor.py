@@ -10,11 +10,13 @@ import aiohttp
 import pytest
 
 from corrallm.config.schema import Backend
-from corrallm.lifecycle.errors import LifecycleBusy
+from corrallm.lifecycle import supervisor as supervisor_module
+from corrallm.lifecycle.addresses import free_port
+from corrallm.lifecycle.errors import BackendFailed, LifecycleBusy
 from corrallm.lifecycle.process import group_alive
 from corrallm.lifecycle.state import State
 from corrallm.lifecycle.supervisor import Supervisor
-from tests.support.processes import fake_cmd
+from tests.support.processes import fake_cmd, running_fake_backend
 
 
 @pytest.fixture
@@ -35,7 +37,7 @@ async def make(http: aiohttp.ClientSession, tmp_path: Path):
             return None
 
     def factory(*flags: str, **spec: object) -> Supervisor:
-        backend = Backend(cmd=fake_cmd(*flags), proxy="${PORT}", **spec)
+        backend = Backend(**{"cmd": fake_cmd(*flags), "proxy": "${PORT}", **spec})
         sup = Supervisor(f"b{len(made)}", backend, probe, tmp_path, health_timeout=20)
         made.append(sup)
         return sup
@@ -126,3 +128,39 @@ async def test_L6_a_backends_output_goes_to_its_log_file_never_to_a_pipe(make):
     targets = {os.readlink(f"/proc/{sup.pid}/fd/{fd}") for fd in (1, 2)}
     assert targets == {str(log)}
     assert any("server is listening" in line for line in sup.logs.tail(50))  # followed
+
+
+async def test_L1_a_fixed_port_another_program_answers_on_fails_the_start_naming_it(make, tmp_path):
+    """Another server holds the backend's port and answers its health check: the start
+    fails as port_taken, with that server's pid, and no request is routed to it."""
+    with running_fake_backend(tmp_path) as stranger:
+        port = str(stranger.port)
+        sup = make(cmd=f"corrallm fake-backend --port {port}", proxy=port)
+        with pytest.raises(BackendFailed) as failed:
+            await sup.ensure_ready()
+    assert (sup.state, sup.failure_reason) == (State.FAILED, "port_taken")
+    assert f"port {port} is held by pid {stranger.proc.pid} (" in str(failed.value)
+    assert sup.pid is None  # its own process (which could not bind) was reaped
+
+
+async def test_L1_a_picked_port_another_program_bound_first_is_picked_again(
+    make, http, tmp_path, monkeypatch
+):
+    """The race itself: corrallm picks a free port, another program binds it before the
+    backend does (here: the port a running server holds is what gets picked)."""
+    with running_fake_backend(tmp_path) as stranger:
+        picks = iter([stranger.port])
+
+        def pick() -> int:
+            return next(picks, None) or free_port()
+
+        monkeypatch.setattr(supervisor_module, "free_port", pick)
+        sup = make()
+        await sup.ensure_ready()
+        log = (sup.home / "logs" / "b0.log").read_text()
+        assert (sup.state, sup.port != stranger.port) == (State.READY, True), log
+        assert f"port {stranger.port} is held by pid {stranger.proc.pid}" in log
+        assert "starting again on another port" in log
+        async with http.get(f"http://127.0.0.1:{sup.port}/health") as r:  # the backend's
+            assert r.status == 200
+        assert stranger.proc.poll() is None

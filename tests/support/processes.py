@@ -24,10 +24,34 @@ import psutil
 T = TypeVar("T")
 
 
+def _own_ports() -> Iterator[int]:
+    """The ports this test worker hands out, in turn: a block of 1,000 per xdist worker,
+    below the kernel's ephemeral range. bind(0), which corrallm uses for `${PORT}`, and
+    every outgoing connection draw from that range, and each worker from its own block, so
+    no port a test picks can be bound meanwhile by a backend another test's corrallm starts
+    or by another worker's server (the race once routed a soak request to another test)."""
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    worker = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw") or 0)
+    first = 20000 + 1000 * worker
+    if first + 1000 > low:  # no room below a widened ephemeral range: the kernel picks
+        return
+    while True:
+        yield from range(first, first + 1000)
+
+
+_PORTS = _own_ports()
+
+
 def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+    for _ in range(1000):
+        port = next(_PORTS, 0)
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue  # held, or in TIME_WAIT from an earlier test
+            return int(sock.getsockname()[1])
+    raise AssertionError("no free port left in this worker's block")
 
 
 def wait_for(

@@ -61,6 +61,8 @@ class FakeProcesses:
         self.exit_at_once: int | None = None  # every spawn exits at once with this code
         self.graces: list[float] = []  # what each stop_group was given
         self.output: Path | None = None
+        self.port_holders: list[str | None] = []  # who holds the port, at each health answer
+        self.ports: list[int] = []  # the port each holder check was about
         self._pids = itertools.count(101)
 
     async def spawn(
@@ -106,6 +108,10 @@ class FakeProcesses:
             exited.set_result(-15)
         await asyncio.sleep(0)
         return "terminated"
+
+    async def port_holder(self, port: int, ours: Spawned) -> str | None:
+        self.ports.append(port)
+        return self.port_holders.pop(0) if self.port_holders else None
 
     def print(self, *lines: str) -> None:
         assert self.output is not None

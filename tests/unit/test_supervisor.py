@@ -51,6 +51,53 @@ async def test_L3_exit_while_starting_fails_every_waiter_at_once_with_the_log_ta
     )
 
 
+async def test_L1_a_picked_port_that_another_program_answers_on_is_picked_again(
+    world: World,
+) -> None:
+    """The health answer came from a stranger on the port picked for ${PORT} (it bound
+    the port first): that start is reaped and the next one gets another port."""
+    sup = world.supervisor(proxy="${PORT}")
+    world.probe.status = 200
+    world.processes.port_holders = ["pid 7 (other-server --port 1)", None]
+    await sup.ensure_ready()
+    assert (world.history, len(world.processes.ports), sup.base_url) == (
+        ["stopped->starting", "spawn 101", "stop_group 101", "spawn 102", "starting->ready"],
+        2,
+        f"http://127.0.0.1:{world.processes.ports[1]}",
+    )
+
+
+async def test_L1_a_fixed_port_held_by_another_program_fails_the_start_naming_it(
+    world: World,
+) -> None:
+    sup = world.supervisor(proxy="5800")
+    world.probe.status = 200
+    world.processes.port_holders = ["pid 7 (other-server --port 5800)"]
+    message = await failure(asyncio.ensure_future(sup.ensure_ready()))
+    assert (world.history, sup.failure_reason, message.split(". ")[0]) == (
+        ["stopped->starting", "spawn 101", "stop_group 101", "starting->failed"],
+        "port_taken",
+        "BackendFailed: backend 'm#0' failed to start: port 5800 is held by pid 7 "
+        "(other-server --port 5800), not by this backend (it answered the health check "
+        "in the backend's place): stop that program, or give this backend another port "
+        "in `proxy`",
+    )
+
+
+async def test_L1_picked_ports_taken_every_time_fail_after_three_tries(world: World) -> None:
+    sup = world.supervisor(proxy="${PORT}")
+    world.probe.status = 200
+    world.processes.port_holders = ["pid 7 (x)"] * 3
+    message = await failure(asyncio.ensure_future(sup.ensure_ready()))
+    spawns = [line for line in world.history if line.startswith("spawn")]
+    assert (spawns, world.history[-1], sup.failure_reason) == (
+        ["spawn 101", "spawn 102", "spawn 103"],
+        "starting->failed",
+        "port_taken",
+    )
+    assert "3 ports picked in a row were taken before the backend bound them" in message
+
+
 async def test_L3_failed_starts_back_off_before_the_next_try(world: World) -> None:
     sup = world.supervisor()
     world.processes.exit_at_once = 3
