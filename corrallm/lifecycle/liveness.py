@@ -24,14 +24,6 @@ from typing import Any, Final, Literal
 FailureReason = Literal[
     "exited", "unresponsive", "start_exited", "start_timeout", "stalled", "port_taken"
 ]
-FAILURE_REASONS: Final = (
-    "exited",
-    "unresponsive",
-    "start_exited",
-    "start_timeout",
-    "stalled",
-    "port_taken",
-)
 
 # A hung process is killed after this much grace at most (not the full stopGrace): it does
 # not answer, so waiting politely only keeps its in-flight requests hanging, and its memory.

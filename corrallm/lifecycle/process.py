@@ -150,7 +150,7 @@ class ProcessGroups:
         return await stop_group(pgid, exited, grace)
 
     async def port_holder(self, port: int, ours: Spawned) -> str | None:
-        # It reads /proc of every process (~20 ms on a quiet box): off the event loop.
+        # It may read /proc of every process (4 ms on a quiet box): off the event loop.
         return await asyncio.to_thread(port_holder, port, ours)
 
 
