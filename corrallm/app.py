@@ -125,6 +125,7 @@ class CorrallmApp:
         out = _answering(send, exchange)
         try:
             _require(scope["method"], surface.method, path)
+            exchange.caller = self.pipeline.identify(scope, exchange.lane)
             body = await self._body(scope, receive)
             exchange.capture = self.gateway.captures.open(exchange.id, scope, body)
             await surface.handler(self.pipeline, scope, receive, out, body)

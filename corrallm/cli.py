@@ -1,9 +1,10 @@
-"""The `corrallm` command: serve, check, config-schema, version, fake-backend."""
+"""The `corrallm` command: serve, check, keys, config-schema, version, fake-backend."""
 
 from __future__ import annotations
 
 import json
 import os
+import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
@@ -150,6 +151,23 @@ def check(
     typer.echo("\n" + report(env))
     for warning in warnings(cfg, env):
         typer.echo(f"warning: {warning}")
+
+
+keys_app = typer.Typer(help="API keys (SPEC §22): hash a secret for `secretHash`.")
+app.add_typer(keys_app, name="keys")
+
+
+@keys_app.command("hash")
+def keys_hash() -> None:
+    """Read a secret from stdin (one line) and print `sha256:<hex>` for `secretHash`:
+    the config then holds no secret at all."""
+    from corrallm.auth.keys import hash_text
+
+    secret = sys.stdin.readline().rstrip("\r\n")
+    if not secret:
+        typer.echo("no secret on stdin: pipe it in, e.g. `corrallm keys hash < key.txt`", err=True)
+        raise typer.Exit(1)
+    typer.echo(hash_text(secret))
 
 
 @app.command("config-schema")

@@ -22,6 +22,8 @@ from collections.abc import Coroutine
 from pathlib import Path
 from typing import Any
 
+from corrallm.auth.callers import Caller, Callers
+from corrallm.auth.keys import KeyRing
 from corrallm.config import Config
 from corrallm.config.schema import ProcessSpec
 from corrallm.cost.economics import Economics
@@ -48,7 +50,7 @@ from corrallm.scheduler.admission import Admission
 from corrallm.store.activity import ActivityLog
 from corrallm.store.location import store_at
 from corrallm.telemetry import Telemetry
-from corrallm.topology import Caller, Topology, build
+from corrallm.topology import Topology, build
 
 log = logging.getLogger("corrallm.lifecycle")
 
@@ -92,9 +94,12 @@ class Gateway:
         self.topology = build(
             config, self._new_supervisor, footprints=self._footprints, nodes=self.nodes
         )
+        self.keys = KeyRing()  # T1/T2: the config's keys and the runtime ones, as digests
+        self.keys.reconfigure(config.keys)
+        self.callers = Callers(config, self.keys)
         self.admission = Admission(config, self.routes)
         self.pauses = Pauses(self.store, self.topology.pausables())
-        self.captures = Captures(config)
+        self.captures = Captures(config, self.keys)
         self.live = LiveRequests(self.events)
         self.telemetry = Telemetry(
             self.ledger,
@@ -134,7 +139,7 @@ class Gateway:
         return self.topology.served
 
     def caller(self, key: str | None, signed: str | None = None) -> Caller:
-        return self.topology.caller(key, signed)
+        return self.callers(key, signed)
 
     def own_supervisors(self, served: ServedModel) -> list[Supervisor]:
         return self.topology.own_supervisors(served)
@@ -148,6 +153,8 @@ class Gateway:
         self._footprints = estimate_footprints(config)[0]
         self.ledger.reconfigure(config)
         self.captures.reconfigure(config)
+        self.keys.reconfigure(config.keys)
+        self.callers.reconfigure(config)
         self._swap(config)
         return previous
 

@@ -1,6 +1,6 @@
 """What the config makes of the gateway (SPEC §2, §8, §10 P6): served models and their
 routes, the supervisor of each process, what each process asks of the memory pools, what
-a pause stops, and which lane a key belongs to.
+a pause stops.
 
 `build()` derives all of it from a config in one pass. A config reload builds a new
 `Topology` and the gateway swaps it in as a whole; the supervisor of a backend whose spec
@@ -15,7 +15,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 from corrallm.config import Config, backend_id
-from corrallm.config.schema import ANY_GPU, Backend, Model, PriorityGroup, ProcessSpec
+from corrallm.config.schema import ANY_GPU, Backend, Model, ProcessSpec
 from corrallm.lifecycle.addresses import resolve_url
 from corrallm.lifecycle.pauses import Kind, Pausable
 from corrallm.lifecycle.remote import RemoteEndpoint
@@ -33,14 +33,6 @@ EVICT_COSTS = ["low", "medium", "high"]
 MakeSupervisor = Callable[[str, ProcessSpec], Supervisor]
 
 
-@dataclass(frozen=True)
-class Caller:
-    key: str | None
-    group_name: str
-    group: PriorityGroup | None
-    known: bool  # the key is configured in `keys`: the caller has a lane of its own
-
-
 @dataclass
 class Topology:
     config: Config
@@ -50,28 +42,6 @@ class Topology:
     models: dict[str, ServedModel] = field(default_factory=dict)  # by name and by alias
     served: list[ServedModel] = field(default_factory=list)  # each once, in config order
     tenancies: list[Tenancy] = field(default_factory=list)
-    # Callers by configured key (and None), made on first use: this topology's config
-    # is fixed, so is each key's lane.
-    _callers: dict[str | None, Caller] = field(default_factory=dict, init=False, repr=False)
-
-    def caller(self, key: str | None, signed: str | None = None) -> Caller:
-        """S1: the caller's lane, from its key (unknown and missing keys: the default).
-        `signed`: the lane a gateway signed for a request it forwarded (X3), which stands
-        for the caller's key (it never crosses the hop); a lane not configured here is the
-        default."""
-        if signed is not None:
-            name = signed if signed in self.config.priority_groups else None
-            name = name or self.config.scheduler.default_group
-            return Caller(None, name, self.config.priority_groups.get(name), True)
-        known = self._callers.get(key)  # perf: a configured key's lane is made once
-        if known is not None:
-            return known
-        lane = self.config.keys.get(key) if key else None
-        group_name = lane or self.config.scheduler.default_group
-        caller = Caller(key, group_name, self.config.priority_groups.get(group_name), bool(lane))
-        if lane or key is None:  # never an unknown key: those are anybody's to invent
-            self._callers[key] = caller
-        return caller
 
     def hosted_by(self, extension: str) -> list[Model]:
         return [

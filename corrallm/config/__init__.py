@@ -22,6 +22,7 @@ from corrallm.config.loading import (
 from corrallm.config.schema import (
     PORT_PLACEHOLDER,
     Alias,
+    ApiKey,
     Backend,
     BackendTimeouts,
     CommandCost,
@@ -207,9 +208,44 @@ def summary(config: Config) -> str:
         )
     if default not in groups:
         lines.append(f"  {default} (built-in default group): weight 1, queue on saturation")
-    per_group: dict[str, int] = {}
-    for group_name in config.keys.values():
-        per_group[group_name] = per_group.get(group_name, 0) + 1
-    mapped = ", ".join(f"{g}: {n}" for g, n in sorted(per_group.items()))
-    lines += ["", f"keys: {len(config.keys)}" + (f" ({mapped})" if mapped else "")]
+    lines += ["", f"keys: {len(config.keys)}"]
+    for name, key in config.keys.items():
+        lines.append(f"  {name}: group {key.group or default}{_key_policy(key)}")
+    short = [name for name, key in config.keys.items() if key.short]
+    if short:
+        lines += [
+            "",
+            f"note: {_count(len(short), 'short-form key')} ({', '.join(short)}) named after "
+            "its secret's digest; write `<name>: {secret: ..., group: ...}` to give each a "
+            "name people recognise (docs/config.md, keys)",
+        ]
     return "\n".join(lines)
+
+
+def _key_policy(key: ApiKey) -> str:
+    """A key's policy on one line (never its secret or digest)."""
+    parts = []
+    if key.models:
+        parts.append(f"models {', '.join(key.models)}")
+    if key.limits is not None:
+        limits = key.limits
+        each = [
+            f"{w} {v}"
+            for w, v in (
+                ("rpm", limits.rpm),
+                ("tpm", limits.tpm),
+                ("concurrent", limits.concurrent),
+            )
+            if v is not None
+        ]
+        if each:
+            parts.append(", ".join(each))
+        if limits.per_user is not None:
+            parts.append("per-user limits")
+    if key.spend_limit is not None:
+        parts.append(f"spend limit ${key.spend_limit.usd:g} per {_seconds(key.spend_limit.window)}")
+    if key.expires is not None:
+        parts.append(f"expires {key.expires}")
+    if key.trust_user_header:
+        parts.append("trusts the user header")
+    return f"; {'; '.join(parts)}" if parts else ""

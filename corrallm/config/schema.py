@@ -8,7 +8,9 @@ reported at once with its YAML path.
 
 from __future__ import annotations
 
+import hashlib
 import math
+from datetime import date, datetime
 from typing import Annotated, Any, Literal
 
 from pydantic import (
@@ -480,6 +482,83 @@ class PriorityGroup(Section):
         return data
 
 
+class RateLimits(Section):
+    """What one key (or one user behind it) may use per minute and at once (SPEC §22 T3)."""
+
+    rpm: int | None = Field(None, ge=1, description="requests in the last 60 s")
+    tpm: int | None = Field(None, ge=1, description="prompt + completion tokens in the last 60 s")
+    concurrent: int | None = Field(None, ge=1, description="requests held at once")
+
+
+class KeyLimits(RateLimits):
+    per_user: RateLimits | None = Field(
+        None, description="the same limits for each user behind the key (T4)"
+    )
+
+
+class ApiKey(Section):
+    """A named key (SPEC §22 T1). The secret never outlives validation: it is replaced by
+    its SHA-256 digest, so no config object, dump or error holds it."""
+
+    secret: Text | None = Field(
+        None, description="the secret itself (usually ${ENV}); kept only as its digest"
+    )
+    secret_hash: str | None = Field(
+        None,
+        pattern=r"^sha256:[0-9a-fA-F]{64}$",
+        description="sha256:<hex>, as `corrallm keys hash` prints it",
+    )
+    group: str | None = Field(None, description="its priority group; default: the default one")
+    models: list[str] = Field(
+        default_factory=list, description="allowlist: globs on served names and aliases"
+    )
+    limits: KeyLimits | None = None
+    spend_limit: SpendLimit | None = None
+    expires: date | datetime | None = Field(
+        None, description="a date (valid through that day, UTC) or a time"
+    )
+    trust_user_header: bool = False
+    short: bool = Field(False, exclude=True, description="written as `<secret>: <group>`")
+
+    @model_validator(mode="after")
+    def _digest_only(self) -> ApiKey:
+        if (self.secret is None) == (self.secret_hash is None):
+            raise ValueError("give exactly one of 'secret' and 'secretHash'")
+        if self.secret is not None:
+            if not self.secret.strip():
+                raise ValueError("'secret' is empty (an unset ${ENV}?)")
+            hashed = "sha256:" + hashlib.sha256(self.secret.encode()).hexdigest()
+            object.__setattr__(self, "secret_hash", hashed)
+            object.__setattr__(self, "secret", None)
+        else:
+            assert self.secret_hash is not None
+            object.__setattr__(self, "secret_hash", self.secret_hash.lower())
+        return self
+
+
+def short_key_name(secret: str) -> str:
+    """T1: what a short-form key `<secret>: <group>` is called everywhere."""
+    return "key-" + hashlib.sha256(secret.encode()).hexdigest()[:8]
+
+
+def _named_keys(value: object) -> object:
+    # `<secret>: <group>` becomes `key-<8 hex>: {secretHash, group}` here, so the secret
+    # is never kept as a key of the config either.
+    if not isinstance(value, dict):
+        return value
+    out: dict[object, object] = {}
+    for name, entry in value.items():
+        if isinstance(entry, str) and isinstance(name, str):
+            digest = "sha256:" + hashlib.sha256(name.encode()).hexdigest()
+            out[short_key_name(name)] = {"secretHash": digest, "group": entry, "short": True}
+        else:
+            out[name] = entry
+    return out
+
+
+Keys = Annotated[dict[str, ApiKey], BeforeValidator(_named_keys)]
+
+
 class Scheduler(Section):
     max_wait: Duration = 60.0
     max_queue_depth: int = Field(64, ge=0)
@@ -535,7 +614,10 @@ class Config(Section):
     extensions: dict[str, Extension] = Field(default_factory=dict)
     models: dict[str, Model] = Field(default_factory=dict)
     priority_groups: dict[str, PriorityGroup] = Field(default_factory=dict)
-    keys: dict[str, str] = Field(default_factory=dict, description="API key -> group")
+    keys: Keys = Field(
+        default_factory=dict,
+        description="API keys by name (or `<secret>: <group>`, named key-<8 hex>)",
+    )
     scheduler: Scheduler = Field(default_factory=Scheduler)
     realtime: Realtime = Field(default_factory=Realtime)
     ledger: Ledger = Field(default_factory=Ledger)

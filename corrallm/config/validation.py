@@ -28,6 +28,7 @@ Loc = tuple[str | int, ...]
 Problem = tuple[Loc, str]
 
 _PLAIN_KEY = re.compile(r"^[^.\[\]\s\"']+$")
+_KEY_NAME = re.compile(r"^[A-Za-z0-9._@-]{1,64}$")
 _LOOPBACK = {"127.0.0.1", "localhost", "::1"}
 
 
@@ -467,10 +468,20 @@ class _Checker:
     def check_keys(self) -> None:
         default = _text(_map(self.data.get("scheduler")).get("defaultGroup")) or "default"
         groups = {str(g) for g in self.groups} | {default, "default"}
-        for key, group in _map(self.data.get("keys")).items():
+        for key, entry in _map(self.data.get("keys")).items():
+            loc: Loc = ("keys", key)
+            group = entry
+            if isinstance(entry, dict):
+                loc, group = ("keys", key, "group"), entry.get("group")
+                if not _KEY_NAME.fullmatch(str(key)):
+                    self.add(
+                        ("keys", key),
+                        f"key name '{key}' must be 1-64 letters, digits, '.', '-', '_' or "
+                        "'@': it names the key in rows, views and events",
+                    )
             if isinstance(group, str) and group not in groups:
                 self.add(
-                    ("keys", key),
+                    loc,
                     f"unknown group '{group}'{did_you_mean(group, groups)}; "
                     f"priorityGroups: {_names(map(str, self.groups))}",
                 )

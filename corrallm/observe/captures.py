@@ -15,11 +15,13 @@ from __future__ import annotations
 
 import base64
 import codecs
+import hashlib
+import re
 import logging
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from corrallm.observe.context import Exchange
 from corrallm.observe.ring import Record, Ring
@@ -29,6 +31,13 @@ if TYPE_CHECKING:
     from corrallm.cost.ledger import Visit
 
 log = logging.getLogger("corrallm.observe")
+
+
+class KeyDigests(Protocol):
+    """The keys in force, looked up by digest (auth.keys.KeyRing)."""
+
+    def find(self, digest: bytes) -> object | None: ...
+
 
 LIMIT = 65536  # bytes kept of each side, request and response
 REDACTED = b"[redacted]"
@@ -86,7 +95,6 @@ class Secrets:
                 for name, value in backend.headers.items():
                     names.add(name.lower())
                     values.update(credentials(value.encode()))
-        values.update(key.encode() for key in config.keys)  # the callers' keys, in bodies
         return cls(frozenset(names), _longest_first(values))
 
     def for_request(self, headers: Sequence[tuple[bytes, bytes]]) -> tuple[bytes, ...]:
@@ -175,11 +183,34 @@ def header_text(
     return out
 
 
-def record(capture: Capture, visit: Visit | None, status: int, secrets: Secrets) -> Record:
+# What a key secret can look like inside a body: a run of token characters.
+_TOKEN = re.compile(rb"[A-Za-z0-9_.~+/=-]{%d,256}" % MIN_BODY_SECRET)
+
+
+def key_secrets(data: bytes, keys: KeyDigests) -> set[bytes]:
+    """The words of `data` that are some key's secret (their SHA-256 is a key's digest)."""
+    return {
+        word
+        for word in set(_TOKEN.findall(data[: 2 * LIMIT]))
+        if keys.find(hashlib.sha256(word).digest()) is not None
+    }
+
+
+def record(
+    capture: Capture,
+    visit: Visit | None,
+    status: int,
+    secrets: Secrets,
+    keys: KeyDigests | None = None,
+) -> Record:
     """What is kept of a finished exchange: redacted, cut, as text."""
     scope = capture.scope
     raw_headers: list[tuple[bytes, bytes]] = scope.get("headers", [])
     values = secrets.for_request(raw_headers)
+    if keys is not None:  # T1: key secrets are known only by digest: find them by it
+        found = {*key_secrets(capture.request, keys), *key_secrets(b"".join(capture.chunks), keys)}
+        if found:
+            values = _longest_first({*values, *found})
     request, request_cut = scrub(capture.request, values, False)
     response, response_cut = scrub(b"".join(capture.chunks), values, capture.size > LIMIT)
     request_text, request_encoding = as_text(request, request_cut)
@@ -214,7 +245,8 @@ def bound_of(mb: float) -> int:
 class Captures:
     """The captures' owner: what to keep (`bodies`), what to redact, and the ring."""
 
-    def __init__(self, config: Config) -> None:
+    def __init__(self, config: Config, keys: KeyDigests | None = None) -> None:
+        self.keys = keys  # T1: key secrets in bodies are redacted by their digest
         self.ring = Ring(bound_of(config.capture.buffer_mb))
         self.reconfigure(config)
 
@@ -241,7 +273,7 @@ class Captures:
         if self.bodies == "errors" and 200 <= status < 300:
             return
         try:
-            self.ring.add(record(capture, visit, status, self.secrets))
+            self.ring.add(record(capture, visit, status, self.secrets, self.keys))
         except Exception:
             log.exception("request=%s capture failed; it is not kept", capture.request_id)
 

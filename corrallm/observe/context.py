@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
+    from corrallm.auth.callers import Caller
     from corrallm.cost.ledger import Visit
 
 HEADER = b"x-corrallm-request-id"
@@ -46,6 +47,8 @@ class Exchange:
     # the lane those headers name if their signature checked out.
     hop: bool = False
     lane: str | None = None
+    # SPEC §22 T5: who is calling, judged from the head before any body byte is read.
+    caller: Caller | None = None
 
 
 CURRENT: ContextVar[Exchange | None] = ContextVar("corrallm_exchange", default=None)

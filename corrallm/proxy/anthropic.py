@@ -337,9 +337,8 @@ async def count_tokens(
     tokenizer is the count)."""
     payload, model = parse_request(body)
     chat = _read(payload)[0]
-    key = caller_key(scope)
-    caller = pipeline.gw.caller(key)
-    served = pipeline.gates(Inbound(model, scope["path"], key, len(body)), caller)
+    caller = pipeline.caller_of(scope)
+    served = pipeline.gates(Inbound(model, scope["path"], None, len(body)), caller)
     route = served.tiers_for(caller.group, pipeline.gw.placeable)[0][0]
     await ready(route)
     extra = [(b"x-corrallm-backend", route.id.encode())]

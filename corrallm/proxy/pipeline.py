@@ -26,8 +26,9 @@ from dataclasses import dataclass, field
 
 import aiohttp
 
+from corrallm.auth.callers import Caller
 from corrallm.cost.ledger import Visit
-from corrallm.gateway import Caller, Gateway
+from corrallm.gateway import Gateway
 from corrallm.lifecycle.errors import BackendPaused, LifecycleError
 from corrallm.lifecycle.supervisor import Cause
 from corrallm.observe.context import CURRENT, answer_begun, new_request_id
@@ -147,7 +148,8 @@ class Pipeline:
         return served
 
     def gates(self, inbound: Inbound, caller: Caller) -> ServedModel:
-        """lookup -> modes -> pause -> keys: everything decided before money or slots."""
+        """keys -> lookup -> modes -> pause: everything decided before money or slots."""
+        self.check_key(caller)
         served = self.lookup(inbound.model)
         if inbound.mode is not None and not offered(served, inbound.mode):
             raise not_found(
@@ -158,6 +160,32 @@ class Pipeline:
             )
         if self.gw.pauses.paused("model", served.name):
             raise model_paused(served.name)
+        return served
+
+    def identify(self, scope: Scope, signed: str | None = None) -> Caller:
+        """T1/T5: the caller, from the request head alone (no body byte read yet); a key
+        refused here is refused before the body is read."""
+        caller = self.gw.caller(caller_key(scope), signed)
+        self.check_key(caller)
+        return caller
+
+    def caller_of(self, scope: Scope) -> Caller:
+        """The caller the app judged from this request's head, else judged now."""
+        exchange = CURRENT.get()
+        if exchange is not None and exchange.caller is not None:
+            return exchange.caller
+        return self.identify(scope, exchange.lane if exchange is not None else None)
+
+    def check_key(self, caller: Caller) -> None:
+        identity = caller.identity
+        if identity is not None and identity.expired(time.time()):
+            raise ApiError(
+                401,
+                f"The API key '{identity.name}' has expired; ask the gateway's operator "
+                "for a new one.",
+                "key_expired",
+                type="authentication_error",
+            )
         if not caller.known and self.gw.config.scheduler.require_keys:
             raise ApiError(
                 401,
@@ -166,7 +194,6 @@ class Pipeline:
                 "invalid_api_key",
                 type="authentication_error",
             )
-        return served
 
     # -- the whole way -----------------------------------------------------------------
 
@@ -187,9 +214,11 @@ class Pipeline:
         gw = self.gw
         exchange = CURRENT.get()
         hop = exchange is not None and exchange.hop
-        caller = gw.caller(inbound.key, exchange.lane if exchange is not None else None)
+        caller = exchange.caller if exchange is not None else None
+        if caller is None:  # a surface without an exchange (realtime): judged here
+            caller = gw.caller(inbound.key, exchange.lane if exchange is not None else None)
         visit = Visit(
-            caller.key if caller.known else None,
+            caller.name,
             caller.group_name,
             inbound.model,
             inbound.endpoint,

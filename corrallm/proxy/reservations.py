@@ -14,7 +14,7 @@ from corrallm.config.units import parse_duration, rfc3339
 from corrallm.gateway import Caller, Gateway
 from corrallm.proxy.asgi import Receive, Scope, Send, send_bytes
 from corrallm.proxy.errors import ApiError, bad_request, not_found
-from corrallm.proxy.pipeline import Inbound, Pipeline, caller_key
+from corrallm.proxy.pipeline import Inbound, Pipeline
 
 
 def live_leases(gateway: Gateway) -> list[dict[str, Any]]:
@@ -35,7 +35,7 @@ async def handle(
     pipeline: Pipeline, scope: Scope, receive: Receive, send: Send, body: bytes
 ) -> None:
     gateway = pipeline.gw
-    caller = gateway.caller(caller_key(scope))
+    caller = pipeline.caller_of(scope)
     method = scope["method"]
     if method == "GET":
         await _json(send, 200, {"object": "list", "data": live_leases(gateway)})
@@ -81,7 +81,7 @@ def _reserve(pipeline: Pipeline, caller: Caller, body: bytes) -> dict[str, Any]:
     if not isinstance(payload, dict) or not isinstance(payload.get("model"), str):
         raise bad_request("Missing 'model': which model's slots to reserve.", param="model")
     # The pipeline's gates before a lane may hold slots: lookup, pause, keys.
-    served = pipeline.gates(Inbound(payload["model"], "/v1/reservations", caller.key), caller)
+    served = pipeline.gates(Inbound(payload["model"], "/v1/reservations", None), caller)
     gateway = pipeline.gw
     route = served.primary  # V1: the primary (top-quality) backend
     capacity = route.config.max_concurrent

@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 
+from corrallm.auth.keys import KeyRing
 from corrallm.config.loading import load_config_text
 from corrallm.config.schema import Config
 from corrallm.cost.ledger import Visit
@@ -186,7 +187,9 @@ def test_O2_a_stream_is_reassembled_from_its_relayed_chunks() -> None:
 
 
 def test_O2_every_secret_is_redacted_from_headers_and_bodies() -> None:
-    captures = Captures(config("all"))
+    keys = KeyRing()  # T1: key secrets are known by digest only, and found by it in bodies
+    keys.reconfigure(config("all").keys)
+    captures = Captures(config("all"), keys)
     body = f'{{"model": "m", "echo": "{CALLER} and {UPSTREAM} and upstream-secret-1234"}}'
     body += " another caller's configured-key-4321"
     exchange(

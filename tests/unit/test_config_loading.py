@@ -14,6 +14,7 @@ import yaml
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from corrallm.auth.keys import hash_text
 from corrallm.config import (
     Config,
     ConfigError,
@@ -25,6 +26,7 @@ from corrallm.config import (
     summary,
 )
 from corrallm.config.loading import demo_config_text
+from corrallm.config.schema import short_key_name
 
 ENV = {"OPENAI_API_KEY": "sk-test-123"}
 
@@ -139,7 +141,12 @@ def test_spec_example_config_loads_cleanly(spec_example: Path) -> None:
     assert config.priority_groups["batch"].on_saturated["default"].reject
     assert config.priority_groups["batch"].spend_limit is not None
     assert config.priority_groups["batch"].spend_limit.window == 86400.0
-    assert config.keys == {"my-coder": "interactive", "my-indexer": "batch"}
+    # T1: short-form keys are named after their secret's digest; the secret is not kept.
+    assert {n: k.group for n, k in config.keys.items()} == {
+        short_key_name("my-coder"): "interactive",
+        short_key_name("my-indexer"): "batch",
+    }
+    assert "my-coder" not in repr(config) and "my-indexer" not in repr(config)
     assert config.scheduler.max_queue_depth == 8
 
 
@@ -193,7 +200,7 @@ def test_env_variables_are_substituted_everywhere_including_keys() -> None:
     backend = config.models["m"].backends[0]
     assert (backend.proxy, backend.max_concurrent) == ("https://example.test", 3)
     assert backend.headers["Authorization"] == "Bearer t"
-    assert config.keys == {"k1": "default"}
+    assert config.keys[short_key_name("k1")].secret_hash == hash_text("k1")
 
 
 def test_unset_env_variable_is_a_problem_at_its_path() -> None:
@@ -382,7 +389,9 @@ def test_summary_lists_backends_and_never_key_secrets(spec_example: Path) -> Non
         "https://api.openai.com",
     ):
         assert expected in text
-    assert "keys: 2 (batch: 1, interactive: 1)" in text
+    assert "keys: 2" in text
+    assert f"  {short_key_name('my-coder')}: group interactive" in text
+    assert "2 short-form keys" in text  # T1: check suggests the named form
     for secret in ("my-coder", "my-indexer", "sk-secret-xyz"):
         assert secret not in text
 

@@ -1,0 +1,61 @@
+"""The caller a request is served as (SPEC §6 S1, §22 T1): its key's identity and lane.
+
+Made from the request head alone, before any body byte is read (T5), and cached per key
+(by digest) until the config or the runtime keys change, so the hot path pays one hash
+and a dict lookup.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from corrallm.auth.keys import UNKNOWN, Identity, KeyRing, digest_of
+from corrallm.config import Config
+from corrallm.config.schema import PriorityGroup
+
+
+@dataclass(frozen=True, slots=True)
+class Caller:
+    name: str | None  # the key's name; `unknown` for a key not configured; None: no key
+    group_name: str
+    group: PriorityGroup | None
+    known: bool  # a configured (or runtime) key, or a lane a peer signed (X3)
+    identity: Identity | None = None
+
+
+class Callers:
+    def __init__(self, config: Config, ring: KeyRing) -> None:
+        self.ring = ring
+        self.reconfigure(config)
+
+    def reconfigure(self, config: Config) -> None:
+        self._groups = config.priority_groups
+        self._default = config.scheduler.default_group
+        self._cache: dict[bytes, Caller] = {}
+        self._version = self.ring.version
+        self._anonymous = Caller(None, self._default, self._groups.get(self._default), False)
+        self._unknown = Caller(UNKNOWN, self._default, self._groups.get(self._default), False)
+
+    def __call__(self, key: str | None, signed: str | None = None) -> Caller:
+        """S1: the caller's lane from its key (unknown and missing keys: the default).
+        `signed`: the lane a gateway signed for a request it forwarded (X3), which stands
+        for the caller's key (it never crosses the hop); a lane not configured here is
+        the default."""
+        if signed is not None:
+            name = signed if signed in self._groups else self._default
+            return Caller(None, name, self._groups.get(name), signed in self._groups)
+        if key is None:
+            return self._anonymous
+        if self._version != self.ring.version:
+            self._cache, self._version = {}, self.ring.version
+        digest = digest_of(key)
+        caller = self._cache.get(digest)
+        if caller is not None:
+            return caller
+        identity = self.ring.find(digest)
+        if identity is None:
+            return self._unknown  # never cached: unknown keys are anybody's to invent
+        group = identity.group or self._default
+        caller = Caller(identity.name, group, self._groups.get(group), True, identity)
+        self._cache[digest] = caller
+        return caller

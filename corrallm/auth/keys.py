@@ -1,0 +1,166 @@
+"""Keys as identities (SPEC §22 T1): a name everyone sees, a secret nobody sees, a policy.
+
+A key is held only as the SHA-256 digest of its secret. A request's key is hashed once
+and looked up by digest (a dict lookup, then a constant-time compare of the digests), so
+the hot path pays one hash and nothing that depends on how many keys there are.
+
+Two sources feed one table: the config's keys (rebuilt on a reload) and the keys made at
+runtime through the management API (T2, kept in the store as digests). A name is unique
+across both.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import secrets
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from datetime import UTC, date, datetime, time, timedelta
+from fnmatch import fnmatchcase
+from typing import Literal
+
+from corrallm.config.schema import ApiKey, KeyLimits, SpendLimit
+
+Source = Literal["config", "api"]
+UNKNOWN = "unknown"  # the name of a key that is not configured (T1)
+SECRET_PREFIX = "ck-"  # what the keys made at runtime start with (T2)
+PREFIX_CHARS = 7  # how much of a runtime secret is shown: "ck-" and 4 more
+
+
+def digest_of(secret: str) -> bytes:
+    return hashlib.sha256(secret.encode()).digest()
+
+
+def hash_text(secret: str) -> str:
+    """`sha256:<hex>`: what `secretHash` takes and `corrallm keys hash` prints."""
+    return "sha256:" + hashlib.sha256(secret.encode()).hexdigest()
+
+
+def parse_hash(text: str) -> bytes:
+    return bytes.fromhex(text.removeprefix("sha256:"))
+
+
+def new_secret() -> str:
+    """A runtime key's secret: `ck-` and 43 URL-safe characters (256 random bits)."""
+    return SECRET_PREFIX + secrets.token_urlsafe(32)
+
+
+def expiry(value: date | datetime | None) -> float | None:
+    """The epoch second from which the key is refused: a date is valid through its whole
+    day (UTC), a time without a zone is UTC."""
+    if value is None:
+        return None
+    if isinstance(value, datetime):
+        when = value if value.tzinfo is not None else value.replace(tzinfo=UTC)
+        return when.timestamp()
+    return datetime.combine(value + timedelta(days=1), time(), UTC).timestamp()
+
+
+@dataclass(frozen=True, slots=True)
+class Identity:
+    """One key: who it is and what it may do. Holds no secret."""
+
+    name: str
+    group: str | None  # None: the scheduler's default group
+    digest: bytes = field(repr=False)
+    source: Source = "config"
+    models: tuple[str, ...] = ()  # allowlist globs; empty: every model
+    limits: KeyLimits | None = None
+    spend_limit: SpendLimit | None = None
+    expires: float | None = None  # epoch seconds; refused from then on
+    trust_user_header: bool = False
+    prefix: str | None = None  # the secret's first characters (runtime keys only)
+    created: float | None = None
+    short: bool = False  # written in the config as `<secret>: <group>`
+
+    def expired(self, now: float) -> bool:
+        return self.expires is not None and now >= self.expires
+
+    def allows(self, names: Iterable[str]) -> bool:
+        """T3: whether a model known by these names (its own and its aliases) is allowed."""
+        if not self.models:
+            return True
+        return any(fnmatchcase(n, glob) for n in names for glob in self.models)
+
+    @property
+    def limited(self) -> bool:
+        """Whether anything about this key is counted per request (T3, T4)."""
+        return self.limits is not None or self.spend_limit is not None
+
+    @classmethod
+    def of_config(cls, name: str, key: ApiKey) -> Identity:
+        assert key.secret_hash is not None, "validated config"
+        return cls(
+            name,
+            key.group,
+            parse_hash(key.secret_hash),
+            "config",
+            tuple(key.models),
+            key.limits,
+            key.spend_limit,
+            expiry(key.expires),
+            key.trust_user_header,
+            short=key.short,
+        )
+
+
+class KeyRing:
+    """Every key in force, by digest and by name: the config's and the runtime ones."""
+
+    def __init__(self) -> None:
+        self._config: dict[str, Identity] = {}
+        self._api: dict[str, Identity] = {}
+        self._by_digest: dict[bytes, Identity] = {}
+        self.version = 0  # bumped by every change, for the callers cached on it
+
+    def reconfigure(self, keys: Mapping[str, ApiKey]) -> None:
+        self._config = {name: Identity.of_config(name, key) for name, key in keys.items()}
+        self._rebuild()
+
+    def load(self, identities: Iterable[Identity]) -> None:
+        """The runtime keys, as the store holds them now (all of them)."""
+        self._api = {i.name: i for i in identities}
+        self._rebuild()
+
+    def put(self, identity: Identity) -> None:
+        """A runtime key made or rotated here."""
+        self._api[identity.name] = identity
+        self._rebuild()
+
+    def drop(self, name: str) -> Identity | None:
+        gone = self._api.pop(name, None)
+        if gone is not None:
+            self._rebuild()
+        return gone
+
+    def _rebuild(self) -> None:
+        table: dict[bytes, Identity] = {}
+        for identity in (*self._api.values(), *self._config.values()):
+            table[identity.digest] = identity  # a config key wins a (freak) digest clash
+        self._by_digest = table
+        self.version += 1
+
+    def resolve(self, secret: str) -> Identity | None:
+        """The key whose secret this is, or None. Looked up by digest, then compared in
+        constant time, so neither step tells an attacker how close a guess came."""
+        return self.find(digest_of(secret))
+
+    def find(self, digest: bytes) -> Identity | None:
+        found = self._by_digest.get(digest)
+        if found is not None and hmac.compare_digest(found.digest, digest):
+            return found
+        return None
+
+    def named(self, name: str) -> Identity | None:
+        return self._config.get(name) or self._api.get(name)
+
+    def in_config(self, name: str) -> bool:
+        return name in self._config
+
+    def all(self) -> list[Identity]:
+        """Config keys first (in config order), then runtime ones by name."""
+        return [*self._config.values(), *sorted(self._api.values(), key=lambda i: i.name)]
+
+    def __len__(self) -> int:
+        return len(self._by_digest)
