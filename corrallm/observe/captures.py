@@ -16,8 +16,8 @@ from __future__ import annotations
 import base64
 import codecs
 import hashlib
-import re
 import logging
+import re
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass

@@ -29,7 +29,7 @@ FLUSH_SECONDS = 1.0
 class Activity:
     t: float  # unix seconds when the request arrived
     kind: str  # "request" | "load"
-    key: str | None  # the caller's configured key name; never a secret not in the config
+    key: str | None  # the caller's key name (`unknown`: not configured); never a secret
     grp: str
     model: str
     backend: str | None
@@ -49,6 +49,7 @@ class Activity:
     preempted: bool = False
     error: str | None = None
     request_id: str | None = None  # X-Corrallm-Request-Id of a request row (SPEC §21 O1)
+    usr: str | None = None  # the user behind the key, where it may name one (SPEC §22 T4)
 
 
 COLUMNS = tuple(f.name for f in fields(Activity))

@@ -16,6 +16,7 @@ The schema is versioned: `MIGRATIONS[i]` takes the file from version i to i+1 (k
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import sqlite3
 from collections.abc import AsyncGenerator, Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -142,6 +143,7 @@ class Store:
         self.file.parent.mkdir(parents=True, exist_ok=True)
         db = sqlite3.connect(self.file, check_same_thread=False, isolation_level=None)
         db.row_factory = sqlite3.Row
+        db.create_function("sha256_hex", 1, _sha256_hex, deterministic=True)
         db.execute("PRAGMA journal_mode=WAL")
         db.execute("PRAGMA synchronous=NORMAL")
         db.execute("PRAGMA busy_timeout=5000")
@@ -162,3 +164,7 @@ class Store:
             return await asyncio.get_running_loop().run_in_executor(self._thread, fn)
         except sqlite3.Error as exc:
             raise StoreUnavailable(self.file, exc) from exc
+
+
+def _sha256_hex(text: str | None) -> str | None:
+    return None if text is None else hashlib.sha256(text.encode()).hexdigest()

@@ -43,6 +43,13 @@ class Dialect:
         """`expr` rounded down to a multiple of `n` (a number, or `?` for a parameter)."""
         return f"{self.whole(expr)} / {n} * {n}"
 
+    def sha256_hex(self, column: str) -> str:
+        """The lowercase hex SHA-256 of a text column (SQLite: a function each connection
+        of `store/db.py` registers; PostgreSQL has it built in)."""
+        if self.name == "sqlite":
+            return f"sha256_hex({column})"
+        return f"encode(sha256(convert_to({column}, 'UTF8')), 'hex')"
+
     def fragments(self) -> dict[str, str]:
         """What the migrations' `{name}` fields stand for in this dialect."""
         return {

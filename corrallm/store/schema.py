@@ -226,12 +226,39 @@ SCHEMA: Sequence[Sequence[Statement]] = (
         """,
         "CREATE INDEX spend_grp_t ON spend (grp, t)",
     ),
+    # 9: keys are identities (SPEC §22). Rows written before named a key by its secret:
+    # each becomes the name that key now has in the short form (`key-<first 8 hex of its
+    # SHA-256>`), so no secret stays in the store and old rows line up with new ones.
+    # The keys made at runtime (T2) are kept as digests; `usr` is the user behind a key
+    # that may name one (T4: `user` is a reserved word in PostgreSQL).
+    (
+        "UPDATE activity SET key = 'key-' || substr({sha256_hex}, 1, 8) "
+        "WHERE key IS NOT NULL AND key <> ''",
+        "UPDATE usage_key_hour SET key = 'key-' || substr({sha256_hex}, 1, 8) WHERE key <> ''",
+        "ALTER TABLE activity ADD COLUMN usr TEXT",
+        "CREATE INDEX activity_usr_t ON activity (usr, t)",
+        """
+        CREATE TABLE api_keys (
+            name TEXT PRIMARY KEY,
+            digest TEXT NOT NULL UNIQUE,   -- sha256:<hex> of the secret; never the secret
+            prefix TEXT NOT NULL,          -- the secret's first 7 characters, for people
+            grp TEXT,                      -- NULL: the scheduler's default group
+            policy TEXT NOT NULL,          -- JSON: models, limits, spendLimit, expires, ...
+            created DOUBLE PRECISION NOT NULL,
+            last_used DOUBLE PRECISION
+        ){without_rowid}
+        """,
+    ),
 )
 
 
 def migrations(dialect: Dialect) -> tuple[tuple[str, ...], ...]:
     """The migrations as `dialect` runs them: `[i]` takes version i to i+1."""
-    fields = {**dialect.fragments(), "hour_of_t": dialect.floor_to("t", 3600)}
+    fields = {
+        **dialect.fragments(),
+        "hour_of_t": dialect.floor_to("t", 3600),
+        "sha256_hex": dialect.sha256_hex("key"),
+    }
     return tuple(
         tuple(
             s.format_map(fields) if isinstance(s, str) else s.sql

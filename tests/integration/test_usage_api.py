@@ -10,6 +10,7 @@ import httpx
 import pytest
 
 from corrallm.api.rest import build_rest
+from corrallm.config.schema import short_key_name
 from corrallm.store import queries
 from corrallm.store.activity import Activity, ActivityLog
 from corrallm.store.db import Store
@@ -218,6 +219,9 @@ def test_C4_usage_endpoints_need_the_admin_token_and_answer_through_a_gateway(ga
     assert {f"/api/v1/{p}" for p in ENDPOINTS} <= set(spec["paths"])
 
 
+ALICE = short_key_name("sk-alice")  # T1: a short-form key's name
+
+
 def test_C3_C4_a_metered_request_shows_in_activity_and_usage(gateway_factory):
     gw = gateway_factory(CONFIG)
     r = httpx.post(
@@ -230,12 +234,13 @@ def test_C3_C4_a_metered_request_shows_in_activity_and_usage(gateway_factory):
     usage = r.json()["usage"]
 
     def requests() -> list[dict]:
-        rows = gw.api("GET", "activity?key=sk-alice").json()["rows"]
+        rows = gw.api("GET", f"activity?key={ALICE}").json()["rows"]
         return [row for row in rows if row["kind"] == "request"]
 
     (row,) = wait_for(requests, 10, what="the request's activity row (batched writer)")
     assert (row["model"], row["group"], row["status"]) == ("m", "team", 200)
     assert row["completion_tokens"] == usage["completion_tokens"]
     by_key = {r["key"]: r for r in gw.api("GET", "usage/by-key").json()["rows"]}
-    assert by_key["sk-alice"]["requests"] == 1
-    assert by_key["sk-alice"]["prompt_tokens"] == usage["prompt_tokens"]
+    assert by_key[ALICE]["requests"] == 1  # T1: shown by name, never by secret
+    assert by_key[ALICE]["prompt_tokens"] == usage["prompt_tokens"]
+    assert "sk-alice" not in str(by_key)

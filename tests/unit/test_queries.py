@@ -17,6 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from corrallm.api.usage import parse_bucket, parse_time, time_range
+from corrallm.config.schema import short_key_name
 from corrallm.proxy.errors import ApiError
 from corrallm.store import activity, queries
 from corrallm.store.activity import COLUMNS, Activity
@@ -312,7 +313,7 @@ async def test_C4_migration_3_rolls_up_rows_written_before_it(tmp_path):
         load(T0 + 9, "k", "g", dwell_ms=1, energy_wh=1.0, cost_usd=0.5),
     ]  # fmt: skip
     # Rows as version 2 had them: without the columns later migrations added.
-    old = [c for c in COLUMNS if c != "request_id"]
+    old = [c for c in COLUMNS if c not in ("request_id", "usr")]
     insert = f"INSERT INTO activity ({', '.join(old)}) VALUES ({', '.join('?' * len(old))})"
     db.executemany(insert, [astuple(row)[: len(old)] for row in before])
     db.close()
@@ -323,7 +324,7 @@ async def test_C4_migration_3_rolls_up_rows_written_before_it(tmp_path):
         assert len(await store.query("SELECT * FROM usage_model_hour")) == 1
         assert await queries.usage_by_key(store, T0, T0 + 2 * H) == [
             {"key": None, "group": "g", **sums(1, 3, 4, 0, 0.5, 0.25, 8.0)},
-            {"key": "k", "group": "g", **sums(0, wh=1.0, usd=0.5)},
+            {"key": short_key_name("k"), "group": "g", **sums(0, wh=1.0, usd=0.5)},
         ]
     finally:
         await store.close()
@@ -378,6 +379,7 @@ async def test_C3_a_failed_batch_writes_nothing(store):
         None,
         None,
     )
+    good, bad = (*good, None), (*bad, None)  # usr (T4)
     with pytest.raises(StoreUnavailable) as failed:
         await activity.write(store, [good, good, bad])  # rows and rollups: all or nothing
     assert isinstance(failed.value.__cause__, sqlite3.IntegrityError)

@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 
 from corrallm.config import load_config_text
+from corrallm.config.schema import short_key_name
 from corrallm.cost.ledger import Ledger, Visit
 from corrallm.lifecycle.pauses import Pausable, Pauses
 from corrallm.store import activity, db, economics, footprints, pauses, queries, spend
@@ -31,6 +32,7 @@ H = 3600
 T0 = 1_767_225_600  # 2026-01-01T00:00:00Z
 LATEST = len(SCHEMA)
 TABLES = {
+    "api_keys",
     "pauses",
     "activity",
     "queue_depth",
@@ -134,7 +136,7 @@ async def test_X5_a_store_at_an_older_version_migrates_and_backfills(location, m
     monkeypatch.setattr(module, "MIGRATIONS", latest[:2])  # the code of two versions ago
     old = store_at(location)
     await old.open()
-    cols = [c for c in COLUMNS if c != "request_id"]
+    cols = [c for c in COLUMNS if c not in ("request_id", "usr")]
     insert = f"INSERT INTO activity ({', '.join(cols)}) VALUES ({', '.join('?' * len(cols))})"
     rows = [
         req(T0 + 5, None, "g", dwell_ms=8, prompt_tokens=3, completion_tokens=4, energy_wh=0.5),
@@ -151,8 +153,11 @@ async def test_X5_a_store_at_an_older_version_migrates_and_backfills(location, m
         assert await version(new) == LATEST
         assert await queries.usage_by_key(new, T0, T0 + 2 * H) == [
             {"key": None, "group": "g", **sums(1, 3, 4, 0, 0.5, 0.0, 8.0)},
-            {"key": "k", "group": "g", **sums(0, wh=1.0, usd=0.5)},
+            # T1: a key was its secret before migration 9, now its short-form name
+            {"key": short_key_name("k"), "group": "g", **sums(0, wh=1.0, usd=0.5)},
         ]
+        rows = await new.query("SELECT key FROM activity WHERE key IS NOT NULL")
+        assert [r["key"] for r in rows] == [short_key_name("k")]
     finally:
         await new.close()
 
