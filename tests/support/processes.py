@@ -32,7 +32,9 @@ def _own_ports() -> Iterator[int]:
     or by another worker's server (the race once routed a soak request to another test)."""
     low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
     worker = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw") or 0)
-    first = 20000 + 1000 * worker
+    # CORRALLM_TEST_PORT_BASE: where this run's blocks start, so that two runs of the suite
+    # at once on one machine (two checkouts) do not share blocks either.
+    first = int(os.environ.get("CORRALLM_TEST_PORT_BASE", "20000")) + 1000 * worker
     if first + 1000 > low:  # no room below a widened ephemeral range: the kernel picks
         return
     while True:
