@@ -2,7 +2,8 @@
 
     python bench/loadgen.py '{"mode": "latency", "url": ..., "body": {...}, "n": 2000, ...}'
 
-aiohttp with keep-alive, one connection per worker. Prints one JSON object: summaries in
+aiohttp with keep-alive, one connection per worker; `"headers"` in a spec are sent with
+every request (an API key). Prints one JSON object: summaries in
 milliseconds (percentiles are nearest-rank), request counts and errors; `"raw": true` in
 a latency spec adds every request's time (`times_ms`), for merging runs.
 """
@@ -49,7 +50,8 @@ async def latency(spec: dict[str, Any]) -> dict[str, Any]:
     """Sequential requests on one kept-alive connection."""
     data = json.dumps(spec["body"]).encode()
     times, errors = [], 0
-    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=1)) as s:
+    connector = aiohttp.TCPConnector(limit=1)
+    async with aiohttp.ClientSession(connector=connector, headers=spec.get("headers")) as s:
         for _ in range(spec.get("warmup", 0)):
             await post(s, spec["url"], data)
         for _ in range(spec["n"]):
@@ -71,7 +73,7 @@ async def throughput(spec: dict[str, Any]) -> dict[str, Any]:
             errors[0] += await post(s, spec["url"], data) != 200
 
     async with aiohttp.ClientSession(
-        connector=aiohttp.TCPConnector(limit=spec["concurrency"])
+        connector=aiohttp.TCPConnector(limit=spec["concurrency"]), headers=spec.get("headers")
     ) as s:
         t0 = time.perf_counter()
         await asyncio.gather(*(worker(s) for _ in range(spec["concurrency"])))

@@ -14,6 +14,7 @@ import anthropic
 import httpx
 import pytest
 
+from corrallm.config.schema import short_key_name
 from tests.support.llama import find_llama_server, llama_cmd, missing_reason
 from tests.support.processes import Gateway, fake_cmd, wait_for
 from tests.support.tiers import tier
@@ -187,7 +188,7 @@ def test_K1_x_api_key_is_the_caller_key_and_its_lane_is_recorded(
     client.messages.create(model="claude-local", max_tokens=5, messages=HI)
 
     def rows() -> list[dict[str, Any]]:
-        found = gw.api("GET", "activity?key=sk-coder").json()["rows"]
+        found = gw.api("GET", f"activity?key={short_key_name('sk-coder')}").json()["rows"]
         return [r for r in found if r["kind"] == "request"]
 
     (row,) = wait_for(rows, 10, what="the /v1/messages activity row")

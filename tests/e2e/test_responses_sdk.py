@@ -13,6 +13,7 @@ import httpx
 import openai
 import pytest
 
+from corrallm.config.schema import short_key_name
 from tests.support.llama import find_llama_server, llama_cmd, missing_reason
 from tests.support.processes import Gateway, fake_cmd, wait_for
 from tests.support.tiers import tier
@@ -90,7 +91,7 @@ def test_K2_responses_create_is_translated_for_a_chat_backend(client, gw):
     assert response.usage is not None and response.usage.output_tokens == 6
     assert response.usage.total_tokens == response.usage.input_tokens + 6
     (row,) = request_rows(gw, 1)
-    assert (row["model"], row["key"], row["status"]) == ("chat", "sk-coder", 200)
+    assert (row["model"], row["key"], row["status"]) == ("chat", short_key_name("sk-coder"), 200)
     assert row["prompt_tokens"] == response.usage.input_tokens
     assert row["completion_tokens"] == 6 and not row["estimated"]
 

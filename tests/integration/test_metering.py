@@ -9,6 +9,7 @@ import sqlite3
 import httpx
 import pytest
 
+from corrallm.config.schema import short_key_name
 from tests.support.processes import fake_cmd, wait_for
 
 CONFIG = """
@@ -75,7 +76,7 @@ def test_C1_C3_cost_per_key_for_a_local_and_a_paid_backend(gw):
     assert by_model["paid"]["energy_wh"] == 0
     for row in got:
         assert (row["key"], row["grp"], row["status"], row["estimated"]) == (
-            "coder-key",
+            short_key_name("coder-key"),  # T1: a key is shown by its name
             "coders",
             200,
             0,
@@ -89,7 +90,7 @@ def test_C1_a_load_row_charges_the_caller_that_caused_the_start(gw):
     load = wait_for(lambda: rows(gw, "kind = 'load'"), 10)[0]
     seconds = load["duration_ms"] / 1000
     assert (load["key"], load["grp"], load["model"], load["backend"]) == (
-        "coder-key",
+        short_key_name("coder-key"),
         "coders",
         "local",
         "local#0",

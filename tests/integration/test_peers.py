@@ -29,6 +29,7 @@ import openai
 import orjson
 import pytest
 
+from corrallm.config.schema import short_key_name
 from corrallm.peers import lanes
 from tests.support.processes import (
     Gateway,
@@ -556,7 +557,7 @@ def test_X3_the_caller_key_never_leaves_the_gateway(cluster: Cluster) -> None:
         raw = client.chat.completions.with_raw_response.create(model="f", messages=hi())
     assert served_by(raw) == ["f#0", "f@b"]
     own = row_of(g, raw.headers["x-corrallm-request-id"])
-    assert (own["key"], own["group"]) == ("gold-key", "gold")
+    assert (own["key"], own["group"]) == (short_key_name("gold-key"), "gold")
     # The node's capture of what arrived: its lane, signed; no key in any form.
     captured = b.api("GET", "captures?model=f&limit=1").json()["captures"][0]
     record = b.api("GET", f"captures/{captured['request_id']}").json()
@@ -605,7 +606,7 @@ def test_X3_unsigned_forged_and_stale_lanes_fall_into_the_default_group(cluster:
     sent = [(reason, headers) for reason, all_ in cases.items() for headers in all_]
     ignored = rows_of(b, [_direct(b, headers) for _, headers in sent])
     for (reason, headers), row in zip(sent, ignored, strict=True):
-        assert (row["group"], row["key"], row["status"]) == ("default", None, 200), (
+        assert (row["group"], row["key"], row["status"]) == ("default", "unknown", 200), (
             reason,
             headers,
         )
