@@ -77,6 +77,17 @@ def by_user(gw: Gateway) -> list[dict[str, Any]]:
     return r.json()["rows"]
 
 
+def dashboard(gw: Gateway, section: str) -> str:
+    """One section of the dashboard, as its page fetches it."""
+    r = httpx.get(
+        f"{gw.url}/ui/section/{section}",
+        headers={"Authorization": f"Bearer {gw.token}"},
+        timeout=30,
+    )
+    assert r.status_code == 200, r.text
+    return r.text
+
+
 class UsageEvents(threading.Thread):
     """The `usage` events of /api/v1/events, from the moment it is connected."""
 
@@ -115,12 +126,14 @@ def test_T4_a_trusted_keys_user_shows_on_live_requests_activity_usage_captures_a
     next(iter(stream))  # the answer has begun: the request is held until its end
     (live,) = gw.api("GET", "requests").json()["requests"]
     assert (live["id"], live["key"], live["user"]) == (rid, "webui", ada)
+    assert f'<span class="muted" data-field="user">{ada}</span>' in dashboard(gw, "requests")
     for _ in stream:  # the rest of the answer
         pass
 
     row = rows_of(gw, rid)[rid]
     assert (row["key"], row["user"], row["status"]) == ("webui", ada, 200)
     assert [r["request_id"] for r in request_rows(gw, user=ada)] == [rid]
+    assert f'<span class="muted" data-field="user">{ada}</span>' in dashboard(gw, "activity")
 
     (mine,) = by_user(gw)
     (keyed,) = [r for r in gw.api("GET", "usage/by-key").json()["rows"] if r["key"] == "webui"]
