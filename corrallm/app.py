@@ -126,6 +126,7 @@ class CorrallmApp:
         try:
             _require(scope["method"], surface.method, path)
             exchange.caller = self.pipeline.identify(scope, exchange.lane)
+            exchange.user = self.pipeline.user_of(scope, exchange.caller)
             body = await self._body(scope, receive)
             exchange.capture = self.gateway.captures.open(exchange.id, scope, body)
             await surface.handler(self.pipeline, scope, receive, out, body)

@@ -48,6 +48,7 @@ class Telemetry:
                 "usage",
                 {
                     "key": visit.key,
+                    "user": visit.user,
                     "group": visit.group,
                     "model": visit.model,
                     "backend": visit.backend_id,

@@ -120,6 +120,7 @@ Logs = _gql(schemas.Logs)
 ActionResult = _gql(schemas.ActionResult)
 PauseResult = _gql(schemas.PauseResult)
 UsageByKey = _gql(schemas.UsageByKey)
+UsageByUser = _gql(schemas.UsageByUser)
 UsageRollup = _gql(schemas.UsageRollup)
 UsageSeries = _gql(schemas.UsageSeries)
 UsageGroupSeries = _gql(schemas.UsageGroupSeries)
@@ -169,6 +170,10 @@ async def _usage_by_key(info: Info, since: str | None = None, until: str | None 
     return await _call(schemas.UsageByKey, usage.usage_by_key(_gw(info), since, until))
 
 
+async def _usage_by_user(info: Info, since: str | None = None, until: str | None = None) -> Any:
+    return await _call(schemas.UsageByUser, usage.usage_by_user(_gw(info), since, until))
+
+
 async def _usage_rollup(info: Info, since: str | None = None, until: str | None = None) -> Any:
     return await _call(schemas.UsageRollup, usage.usage_rollup(_gw(info), since, until))
 
@@ -202,8 +207,9 @@ async def _activity(
     group: str | None = None,
     since: str | None = None,
     until: str | None = None,
+    user: str | None = None,
 ) -> Any:
-    call = usage.activity(_gw(info), limit, key, model, group, since, until)
+    call = usage.activity(_gw(info), limit, key, model, group, since, until, user)
     return await _call(schemas.ActivityList, call)
 
 
@@ -283,6 +289,9 @@ class Query:
     )
     usage_by_key = strawberry.field(
         resolver=_usage_by_key, graphql_type=UsageByKey, description="GET /api/v1/usage/by-key"
+    )
+    usage_by_user = strawberry.field(
+        resolver=_usage_by_user, graphql_type=UsageByUser, description="GET /api/v1/usage/by-user"
     )
     usage_rollup = strawberry.field(
         resolver=_usage_rollup, graphql_type=UsageRollup, description="GET /api/v1/usage/rollup"

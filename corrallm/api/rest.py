@@ -230,6 +230,12 @@ def build_rest(gw: Gateway) -> FastAPI:
         """Usage per (key, group) over `[since, until)`."""
         return await usage.usage_by_key(gw, since, until)
 
+    @app.get(f"{PREFIX}/usage/by-user", response_model=schemas.UsageByUser)
+    async def usage_by_user(since: Since = None, until: Until = None) -> dict[str, Any]:
+        """Usage per (user, key) over `[since, until)`: the users that keys with
+        `trustUserHeader` named in `auth.userHeader` (SPEC §22 T4)."""
+        return await usage.usage_by_user(gw, since, until)
+
     @app.get(f"{PREFIX}/usage/rollup", response_model=schemas.UsageRollup)
     async def usage_rollup(since: Since = None, until: Until = None) -> dict[str, Any]:
         """Usage per (group, model) over `[since, until)`."""
@@ -264,9 +270,10 @@ def build_rest(gw: Gateway) -> FastAPI:
         group: str | None = None,
         since: Since = None,
         until: Until = None,
+        user: str | None = Query(None, description="only the rows of this user (T4)"),
     ) -> dict[str, Any]:
         """The newest rows first: one per request and per backend load."""
-        return await usage.activity(gw, limit, key, model, group, since, until)
+        return await usage.activity(gw, limit, key, model, group, since, until, user)
 
     # -- captures (SPEC §21 O2) ----------------------------------------------------------
 

@@ -256,6 +256,17 @@ class UsageByKey(Ranged):
     rows: list[KeyUsage]
 
 
+class UserUsage(UsageSums):
+    user: str = Field(
+        description="the user a key with trustUserHeader named in auth.userHeader (T4)"
+    )
+    key: str | None = Field(description="the key that named the user")
+
+
+class UsageByUser(Ranged):
+    rows: list[UserUsage] = Field(description="one per (user, key); rows without a user left out")
+
+
 class ModelUsage(UsageSums):
     group: str
     model: str
@@ -300,6 +311,9 @@ class ActivityRow(BaseModel):
     t: str = Field(description="when the request arrived (or the load began), RFC 3339")
     kind: str = Field(description="request | load")
     key: str | None
+    user: str | None = Field(
+        None, description="the user behind the key (auth.userHeader, T4); null: none named"
+    )
     group: str
     model: str
     backend: str | None
@@ -349,6 +363,9 @@ class Reservations(BaseModel):
 class LiveRequestView(BaseModel):
     id: str = Field(description="X-Corrallm-Request-Id of the request")
     key: str | None = Field(description="the caller's configured key name, or null")
+    user: str | None = Field(
+        None, description="the user behind the key (auth.userHeader, T4); null: none named"
+    )
     group: str
     model: str
     backend: str | None = Field(description="the backend it was admitted to; null while queued")
@@ -457,6 +474,9 @@ class CaptureRow(BaseModel):
     model: str | None = Field(description="as the request named it; null if it named none")
     backend: str | None = Field(description="the backend it was admitted to, or null")
     key: str | None = Field(description="the caller's key as the activity shows it, or null")
+    user: str | None = Field(
+        None, description="the user behind the key (auth.userHeader, T4); null: none named"
+    )
     group: str | None
     endpoint: str
     status: int = Field(description="the outcome: a stream broken after its 200 head is 502")

@@ -463,6 +463,7 @@ def _capture_row(kept: Record) -> dict[str, Any]:
         "model": kept.model,
         "backend": kept.backend,
         "key": kept.key,
+        "user": kept.user,
         "group": kept.group,
         "endpoint": kept.endpoint,
         "status": kept.status,

@@ -119,6 +119,13 @@ async def usage_by_key(
     return {**_range(start, end), "rows": await queries.usage_by_key(gw.store, start, end)}
 
 
+async def usage_by_user(
+    gw: Gateway, since: str | None = None, until: str | None = None
+) -> dict[str, Any]:
+    start, end = time_range(since, until)
+    return {**_range(start, end), "rows": await queries.usage_by_user(gw.store, start, end)}
+
+
 async def usage_rollup(
     gw: Gateway, since: str | None = None, until: str | None = None
 ) -> dict[str, Any]:
@@ -156,6 +163,7 @@ async def activity(
     group: str | None = None,
     since: str | None = None,
     until: str | None = None,
+    user: str | None = None,
 ) -> dict[str, Any]:
     if not 1 <= limit <= MAX_ACTIVITY:
         raise ApiError(
@@ -165,5 +173,5 @@ async def activity(
             param="limit",
         )
     start, end = time_range(since, until)
-    rows = await queries.activity(gw.store, start, end, limit, key, model, group)
+    rows = await queries.activity(gw.store, start, end, limit, key, model, group, user)
     return {**_range(start, end), "rows": _timed(rows)}

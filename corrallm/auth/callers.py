@@ -1,4 +1,5 @@
-"""The caller a request is served as (SPEC §6 S1, §22 T1): its key's identity and lane.
+"""The caller a request is served as (SPEC §6 S1, §22 T1): its key's identity and lane;
+and the user behind it, where its key may name one (T4).
 
 Made from the request head alone, before any body byte is read (T5), and cached per key
 (by digest) until the config or the runtime keys change, so the hot path pays one hash
@@ -29,6 +30,9 @@ class Callers:
         self.reconfigure(config)
 
     def reconfigure(self, config: Config) -> None:
+        # T4: the header a trusted key names its user in, as the head holds it (lower case).
+        header = config.auth.user_header
+        self.user_header = header.lower().encode("latin-1") if header else None
         self._groups = config.priority_groups
         self._default = config.scheduler.default_group
         self._cache: dict[bytes, Caller] = {}
@@ -59,3 +63,21 @@ class Callers:
         caller = Caller(identity.name, group, self._groups.get(group), True, identity)
         self._cache[digest] = caller
         return caller
+
+
+USER_CHARS = 128  # T4: a user header's value is cut to this many characters
+
+
+def trusts_user(caller: Caller) -> bool:
+    """T4: whether the caller's key may name the user behind it."""
+    return caller.identity is not None and caller.identity.trust_user_header
+
+
+def user_named(raw: bytes) -> str | None:
+    """T4: the user a header value names: UTF-8 (else Latin-1, as HTTP/1.1 allows), blanks
+    trimmed, cut to `USER_CHARS` characters; None when nothing is left."""
+    try:
+        text = raw.decode()
+    except UnicodeDecodeError:
+        text = raw.decode("latin-1")
+    return text.strip()[:USER_CHARS] or None

@@ -219,7 +219,29 @@ def summary(config: Config) -> str:
             "its secret's digest; write `<name>: {secret: ..., group: ...}` to give each a "
             "name people recognise (docs/config.md, keys)",
         ]
-    return "\n".join(lines)
+    return "\n".join(lines + _users(config))
+
+
+def _users(config: Config) -> list[str]:
+    """T4: where users come from, and the half-configured cases (a header no key may set,
+    keys trusted with no header to read)."""
+    header = config.auth.user_header
+    trusted = [name for name, key in config.keys.items() if key.trust_user_header]
+    if header and trusted:
+        return ["", f"users: named by {', '.join(trusted)} in the header {header}"]
+    if header:
+        return [
+            "",
+            f"note: auth.userHeader ({header}) is set but no key has trustUserHeader: true, "
+            "so no request names a user (keys made at runtime may still trust it)",
+        ]
+    if trusted:
+        return [
+            "",
+            f"note: {', '.join(trusted)} trust the user header but auth.userHeader is not "
+            "set, so no user is read; set auth: {userHeader: X-OpenWebUI-User-Email}",
+        ]
+    return []
 
 
 def _key_policy(key: ApiKey) -> str:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+import re
 from datetime import date, datetime
 from typing import Annotated, Any, Literal
 
@@ -21,6 +22,7 @@ from pydantic import (
     Field,
     Tag,
     WithJsonSchema,
+    field_validator,
     model_validator,
 )
 from pydantic.alias_generators import to_camel
@@ -597,6 +599,43 @@ class Capture(Section):
     )
 
 
+# Headers that carry a credential: naming one as `auth.userHeader` would copy a secret
+# into every row that shows the user.
+CREDENTIAL_HEADERS = frozenset(
+    {"authorization", "proxy-authorization", "x-api-key", "x-corrallm-key", "cookie"}
+)
+_HEADER_NAME = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")  # an HTTP token (RFC 9110)
+
+
+class Auth(Section):
+    """Who is behind a key (SPEC §22 T4)."""
+
+    user_header: str | None = Field(
+        None,
+        description="a request header naming the user behind a key that has "
+        "`trustUserHeader: true` (e.g. X-OpenWebUI-User-Email); other keys' are ignored",
+    )
+
+    @field_validator("user_header")
+    @classmethod
+    def _header_name(cls, value: str | None) -> str | None:
+        if value is None:
+            return None
+        name = value.strip()
+        if not _HEADER_NAME.fullmatch(name):
+            raise ValueError(
+                f"'{value}' is not an HTTP header name (letters, digits and -, no spaces or "
+                "colon), e.g. X-OpenWebUI-User-Email"
+            )
+        if name.lower() in CREDENTIAL_HEADERS:
+            raise ValueError(
+                f"'{name}' carries the caller's credentials: its value would be shown as the "
+                "user on every row; name the header that carries the user, e.g. "
+                "X-OpenWebUI-User-Email"
+            )
+        return name
+
+
 class Peer(Section):
     """Another corrallm node whose models this gateway also serves (SPEC §19 X1)."""
 
@@ -624,6 +663,7 @@ class Config(Section):
     timeouts: Timeouts = Field(default_factory=Timeouts)
     feedback: Feedback = Field(default_factory=Feedback)
     capture: Capture = Field(default_factory=Capture)
+    auth: Auth = Field(default_factory=Auth)
     max_body_size: Size = 64 * 10**6
     peers: dict[str, Peer] = Field(
         default_factory=dict, description="other corrallm nodes, by name (SPEC §19 X1)"

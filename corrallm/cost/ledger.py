@@ -64,6 +64,7 @@ class Visit:
     queue_ms: float = 0.0  # waiting for a slot
     load_ms: float = 0.0  # waiting for its backend to start or wake
     stream: bool = False  # the client asked for a stream
+    user: str | None = None  # the user behind the key, where it may name one (SPEC §22 T4)
 
 
 class Ledger:
@@ -238,6 +239,7 @@ class Ledger:
                 preempted=visit.preempted,
                 error=visit.error[:ERROR_SUMMARY_CHARS] if visit.error else None,
                 request_id=visit.request_id,
+                usr=visit.user,
             )
         )
         return price

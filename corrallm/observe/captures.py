@@ -235,6 +235,7 @@ def record(
         response_truncated=response_cut,
         request_bytes=len(capture.request),
         response_bytes=capture.size,
+        user=visit.user if visit is not None else None,
     )
 
 

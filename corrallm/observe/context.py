@@ -49,6 +49,8 @@ class Exchange:
     lane: str | None = None
     # SPEC §22 T5: who is calling, judged from the head before any body byte is read.
     caller: Caller | None = None
+    # T4: the user behind the caller's key, where the key may name one (auth.userHeader).
+    user: str | None = None
 
 
 CURRENT: ContextVar[Exchange | None] = ContextVar("corrallm_exchange", default=None)

@@ -50,6 +50,7 @@ class LiveRequest:
         return {
             "id": self.id,
             "key": visit.key,
+            "user": visit.user,
             "group": visit.group,
             "model": visit.model,
             "backend": visit.backend_id,

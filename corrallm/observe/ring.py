@@ -40,6 +40,7 @@ class Record:
     response_truncated: bool
     request_bytes: int  # the whole body's size, as received (not what is kept)
     response_bytes: int  # the whole body's size, as sent
+    user: str | None = None  # the user behind the key (SPEC §22 T4), as the activity shows it
     size: int = field(default=0, compare=False)  # bytes it holds, counted by `footprint`
 
 
@@ -51,6 +52,7 @@ def footprint(record: Record) -> int:
         record.model,
         record.backend,
         record.key,
+        record.user,
         record.group,
         record.endpoint,
         record.error,

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 
 import aiohttp
 
-from corrallm.auth.callers import Caller
+from corrallm.auth.callers import Caller, trusts_user, user_named
 from corrallm.cost.ledger import Visit
 from corrallm.gateway import Gateway
 from corrallm.lifecycle.errors import BackendPaused, LifecycleError
@@ -70,6 +70,9 @@ class Inbound:
     limit: int | None = None  # the completion tokens it asks for, for the spend estimate
     session: str | None = None  # the conversation it belongs to, for affinity (K6)
     stream: bool = False  # the client asked for a streamed answer
+    # T4: the user behind a trusted key, for a surface without an exchange (realtime);
+    # the HTTP surfaces' is the exchange's, read by the app with the caller.
+    user: str | None = None
 
 
 @dataclass(slots=True)
@@ -169,6 +172,15 @@ class Pipeline:
         self.check_key(caller)
         return caller
 
+    def user_of(self, scope: Scope, caller: Caller) -> str | None:
+        """T4: the user a key with `trustUserHeader` names in `auth.userHeader`; None for
+        every other caller, whose user header is ignored (anybody can send one)."""
+        name = self.gw.callers.user_header
+        if name is None or not trusts_user(caller):
+            return None
+        raw = header(scope, name)
+        return None if raw is None else user_named(raw)
+
     def caller_of(self, scope: Scope) -> Caller:
         """The caller the app judged from this request's head, else judged now."""
         exchange = CURRENT.get()
@@ -229,6 +241,7 @@ class Pipeline:
         else:
             visit.request_id = new_request_id()
         visit.stream = inbound.stream
+        visit.user = exchange.user if exchange is not None else inbound.user
         live = gw.live.enter(visit)
         flight = _Flight(caller, visit, inbound, work, watch, interrupted, live, hop)
         if waiting is not None:

@@ -109,7 +109,9 @@ async def _session(
         finally:
             admitted.visit.metered = Metered(bytes_in=bytes_in[0])
 
-    inbound = Inbound(model, "/v1/realtime", caller_key(scope), 0, "realtime")
+    key = caller_key(scope)
+    user = pipeline.user_of(scope, pipeline.gw.caller(key))  # T4 (no exchange: judged here)
+    inbound = Inbound(model, "/v1/realtime", key, 0, "realtime", user=user)
     await pipeline.run(inbound, work)
 
 

@@ -29,7 +29,7 @@ SUM_FIELDS = ("requests", "prompt_tokens", "completion_tokens", "bytes", "energy
 ACTIVITY_FIELDS = (
     "id, t, kind, key, grp, model, backend, endpoint, status, dwell_ms, duration_ms, ttfb_ms, "
     "prompt_tokens, completion_tokens, bytes, energy_wh, cost_usd, estimated, degraded, "
-    "spilled, preempted, error, request_id"
+    "spilled, preempted, error, request_id, usr"
 )
 FLAGS = ("estimated", "degraded", "spilled", "preempted")
 
@@ -101,6 +101,24 @@ async def usage_by_key(store: Store, since: float, until: float) -> list[dict[st
     """
     rows = await store.query(sql, _args(since, until))
     return [{"key": r["key"], "group": r["grp"], **_sums(r)} for r in rows]
+
+
+async def usage_by_user(store: Store, since: float, until: float) -> list[dict[str, Any]]:
+    """SPEC §22 T4: sums per (user, key), for the rows that name a user (only keys that
+    may name one do). Read from the raw rows in the range: there is no hourly rollup per
+    user (a user is anybody a trusted front end names, and the rollups stay one row per
+    hour and key), so this reads one row per request, through the `activity_t` index."""
+    sql = f"""
+        SELECT usr, key, SUM(CASE WHEN kind = 'request' THEN 1 ELSE 0 END) AS requests,
+               SUM(prompt_tokens) AS prompt_tokens, SUM(completion_tokens) AS completion_tokens,
+               SUM(bytes) AS bytes, SUM(energy_wh) AS energy_wh, SUM(cost_usd) AS cost_usd,
+               SUM(CASE WHEN kind = 'request' THEN dwell_ms ELSE 0 END) AS dwell_sum
+        FROM activity {store.dialect.indexed("activity_t")}
+        WHERE t >= ? AND t < ? AND usr IS NOT NULL
+        GROUP BY usr, key ORDER BY usr, key NULLS FIRST
+    """
+    rows = await store.query(sql, (since, until))
+    return [{"user": r["usr"], "key": r["key"], **_sums(r)} for r in rows]
 
 
 async def usage_rollup(store: Store, since: float, until: float) -> list[dict[str, Any]]:
@@ -194,12 +212,13 @@ async def activity(
     key: str | None = None,
     model: str | None = None,
     group: str | None = None,
+    user: str | None = None,
 ) -> list[dict[str, Any]]:
     """The newest `limit` rows in the range, newest first, optionally filtered (each filter
     has its own `(column, t)` index)."""
     where: list[str] = ["t >= ?", "t < ?"]
     args: list[Any] = [since, until]
-    for column, value in (("key", key), ("model", model), ("grp", group)):
+    for column, value in (("key", key), ("model", model), ("grp", group), ("usr", user)):
         if value is not None:
             where.append(f"{column} = ?")
             args.append(value)
@@ -212,6 +231,7 @@ async def activity(
     for r in rows:
         row = dict(r)
         row["group"] = row.pop("grp")
+        row["user"] = row.pop("usr")
         for flag in FLAGS:
             row[flag] = bool(row[flag])
         out.append(row)

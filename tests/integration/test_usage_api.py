@@ -20,6 +20,7 @@ T0 = 1_767_225_600  # 2026-01-01T00:00:00Z
 DAY = "since=2026-01-01T00:00:00Z&until=2026-01-02T00:00:00Z"
 ENDPOINTS = [
     "usage/by-key",
+    "usage/by-user",
     "usage/rollup",
     "usage/series",
     "usage/series-by-group",
@@ -47,7 +48,8 @@ async def api(tmp_path):
         Activity(T0 + 60, "load", "alice", "team", "m", "m#0", "load", 200, 9000, 9000,
                  energy_wh=2.5, cost_usd=0.5),
         Activity(T0 + 70, "request", "alice", "team", "m", "m#0", chat, 200, 9000.0, 9500.0,
-                 120.5, 12, 34, energy_wh=0.25, cost_usd=0.125, degraded=True),
+                 120.5, 12, 34, energy_wh=0.25, cost_usd=0.125, degraded=True,
+                 usr="ada@example.com"),
         Activity(T0 + 4000, "request", None, "default", "m", "m#0", chat, 502, 10.0, 5.0,
                  error="backend_error: connection refused"),
     ]  # fmt: skip
@@ -97,6 +99,25 @@ async def test_C4_usage_by_key_and_rollup_answer_the_section_14_shape(api):
         ("team", "m", 1, 0.625),
     ]
     assert all(set(r) == SUMS | {"group", "model"} for r in rollup)
+
+
+async def test_T4_usage_by_user_sums_the_rows_that_name_a_user(api):
+    body = (await api.get(f"/api/v1/usage/by-user?{DAY}")).json()
+    assert body["rows"] == [
+        {
+            "user": "ada@example.com",
+            "key": "alice",
+            "requests": 1,
+            "prompt_tokens": 12,
+            "completion_tokens": 34,
+            "bytes": 0,
+            "energy_wh": 0.25,  # its own; the load row names no user
+            "cost_usd": 0.125,
+            "dwell_ms_avg": 9000.0,
+        }
+    ]
+    only = (await api.get(f"/api/v1/activity?{DAY}&user=ada@example.com")).json()["rows"]
+    assert [r["id"] for r in only] == [2]
 
 
 async def test_C4_series_have_aligned_rfc3339_buckets(api):
@@ -150,7 +171,9 @@ async def test_C3_activity_rows_newest_first_with_json_booleans_and_rfc3339(api)
         "preempted": False,
         "error": None,
         "request_id": None,
+        "user": "ada@example.com",
     }
+    assert rows[0]["user"] is None and rows[2]["user"] is None
     assert rows[0]["error"] == "backend_error: connection refused" and rows[2]["kind"] == "load"
     only = (await api.get(f"/api/v1/activity?{DAY}&key=alice&limit=1")).json()["rows"]
     assert [r["id"] for r in only] == [2]

@@ -230,6 +230,7 @@ async def test_C3_activity_newest_first_with_filters_limit_and_range(store):
             spilled=True,
             error="upstream 502",
             request_id="0a1b2c3d00000002",
+            usr="bob@example.com",  # T4: the user behind the key
         ),
         req(T0 + 2, key="a", model="m2", grp="g2", preempted=True),  # same t: higher id first
         load(T0 + 3, key="a", model="m1", grp="g1", estimated=True),
@@ -269,7 +270,9 @@ async def test_C3_activity_newest_first_with_filters_limit_and_range(store):
         "preempted": False,
         "error": "upstream 502",
         "request_id": "0a1b2c3d00000002",
+        "user": "bob@example.com",
     }
+    assert ids(await queries.activity(store, T0, T0 + 10, user="bob@example.com")) == [2]
     assert everything[0]["estimated"] is True and everything[1]["preempted"] is True
 
 

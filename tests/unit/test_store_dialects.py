@@ -270,6 +270,7 @@ async def test_X5_C3_C4_every_query_answers_the_same_on_sqlite_and_postgresql(bo
             spilled=rng.random() < 0.2,
             error=rng.choice([None, "upstream 502"]),
             request_id=rng.choice([None, "0a1b2c3d00000002"]),
+            usr=rng.choice([None, None, "ada", "bob"]),  # T4
         )
         for _ in range(300)
     ]
@@ -293,6 +294,8 @@ async def test_X5_C3_C4_every_query_answers_the_same_on_sqlite_and_postgresql(bo
                 await queries.activity(s, since, until, limit=50),
                 await queries.activity(s, since, until, key="a", model="m2"),
                 await queries.activity(s, since, until, group="g2", limit=7),
+                await queries.activity(s, since, until, user="ada", limit=9),
+                await queries.usage_by_user(s, since, until),
             ]
             for bucket in (300, 1800, H, 86400):
                 out.append(await queries.usage_series(s, since, until, bucket))
