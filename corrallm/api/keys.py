@@ -91,7 +91,14 @@ def _parse(gw: Gateway, fields: Mapping[str, Any]) -> KeyCreate:
     except pydantic.ValidationError as exc:
         for error in exc.errors():
             where = ".".join(str(p) for p in error["loc"]) or "body"
-            problems.append(f"{where}: {error['msg']}")
+            text = f"{where}: {error['msg']}"
+            if error["loc"][:1] == ("expires",):  # one problem, not one per union member
+                text = (
+                    "expires: must be a date (2027-01-31) or an RFC 3339 time "
+                    f"(2027-01-31T18:00:00Z), got {error['input']!r}"
+                )
+            if text not in problems:
+                problems.append(text)
     group = fields.get("group")
     lanes = groups(gw)
     if isinstance(group, str) and group not in lanes:

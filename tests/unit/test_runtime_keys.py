@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from corrallm.auth.callers import Callers
-from corrallm.auth.keys import KeyRing, Refused, digest_of, hash_text
+from corrallm.auth.keys import KeyRing, Refused, hash_text
 from corrallm.auth.runtime import KeyExists, KeyInConfig, KeyNotFound, RuntimeKeys
 from corrallm.config import Config
 from corrallm.config.loading import load_config_text
@@ -233,8 +233,8 @@ async def test_T2_X5_a_key_revoked_through_one_owner_is_refused_by_another_withi
             await s.close()
 
 
-async def until(condition, timeout: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout
+async def until(condition, seconds: float = 5.0) -> None:
+    deadline = time.monotonic() + seconds
     while not condition():
         assert time.monotonic() < deadline, "timed out"
         await asyncio.sleep(0.01)
