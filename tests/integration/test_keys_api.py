@@ -115,6 +115,9 @@ def test_T2_a_key_made_through_the_api_serves_the_sdk_and_shows_by_name_never_it
     ]
     assert keys[SHORT]["group"] == "batch" and keys["alice"]["created"] is None
     assert keys["bob"]["last_used"] is not None and keys["alice"]["last_used"] is None
+    page = httpx.get(gw.url + "/ui/section/keys", headers={"Authorization": f"Bearer {gw.token}"})
+    assert page.status_code == 200 and "rpm 100 (per user: rpm 10)" in page.text
+    assert secret[3:] not in page.text and "sha256" not in page.text
     text = gw.api("GET", "keys").text + gw.api("GET", "activity").text
     for hidden in (secret, "digest", "sha256", "alice-secret-0001", SHORT_SECRET):
         assert hidden not in text
@@ -221,6 +224,8 @@ def test_T2_graphql_twins_make_list_rotate_and_revoke_keys_through_the_same_serv
         {"usd": 5.0, "window": 86400.0},
     )
     assert chat(gw, made["secret"]).status_code == 200
+    page = httpx.get(gw.url + "/ui/section/keys", headers={"Authorization": f"Bearer {gw.token}"})
+    assert "per 1.0 d" in page.text and made["secret"] not in page.text
     names = graphql("{ keys { keys { name source lastUsed } } }")["data"]["keys"]["keys"]
     assert [(k["name"], k["source"]) for k in names] == [
         ("alice", "config"),

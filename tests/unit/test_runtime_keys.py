@@ -172,6 +172,18 @@ async def test_T2_rotated_and_revoked_secrets_are_refused_as_such_even_after_a_r
     assert [callers_again(s).refused.reason for s in (first, second)] == ["rotated", "revoked"]
 
 
+async def test_T2_a_runtime_key_whose_group_this_config_lacks_is_served_in_the_default_lane(
+    store, config
+):
+    keys, callers = owner(store, config)
+    await keys.restore()
+    _, secret = await keys.create("bob", KeyPolicy(group="batch"))
+    without_batch = CONFIG.replace("batch: {weight: 1}, ", "").replace(": batch", ": default")
+    callers.reconfigure(load_config_text(without_batch))
+    caller = callers(secret)
+    assert (caller.name, caller.group_name, caller.known) == ("bob", "default", True)
+
+
 def test_T2_a_refused_secret_gets_401_invalid_api_key_naming_the_key_and_why() -> None:
     rotated = key_refused(Refused("bob", "rotated", T0))
     revoked = key_refused(Refused("bob", "revoked", T0))
