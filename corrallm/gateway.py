@@ -24,6 +24,7 @@ from typing import Any
 
 from corrallm.auth.callers import Caller, Callers
 from corrallm.auth.keys import KeyRing
+from corrallm.auth.runtime import RuntimeKeys
 from corrallm.config import Config
 from corrallm.config.schema import ProcessSpec
 from corrallm.cost.economics import Economics
@@ -97,6 +98,7 @@ class Gateway:
         self.keys = KeyRing()  # T1/T2: the config's keys and the runtime ones, as digests
         self.keys.reconfigure(config.keys)
         self.callers = Callers(config, self.keys)
+        self.runtime_keys = RuntimeKeys(self.store, self.keys)  # T2: the API's keys, last_used
         self.admission = Admission(config, self.routes)
         self.pauses = Pauses(self.store, self.topology.pausables())
         self.captures = Captures(config, self.keys)
@@ -199,6 +201,7 @@ class Gateway:
 
     def settle(self, visit: Visit) -> None:
         """A request is over: its cost, spend, activity row, metrics and usage event."""
+        self.runtime_keys.used(visit.key, time.time())
         self.telemetry.settle(visit)
 
     def _new_supervisor(self, sid: str, spec: ProcessSpec) -> Supervisor:
@@ -231,6 +234,9 @@ class Gateway:
         await recover(self.home, self.supervisors)
         await self.pauses.restore()
         self.background(self.pauses.follow())  # X5: other gateways' pauses (shared store)
+        await self.runtime_keys.restore()
+        self.background(self.runtime_keys.follow())  # T2: other gateways' keys (shared store)
+        self.background(self.runtime_keys.run())
         await self.nodes.start()
         self.preload()
         self.background(reaper(self.admission, self.telemetry, self.residency, self.pauses))
@@ -258,6 +264,7 @@ class Gateway:
             try:
                 await self.ledger.flush()  # X5: spend settlements queued for a shared store
                 await self.activity.flush()
+                await self.runtime_keys.flush()
             finally:
                 await self.store.close()
         await self.probe.close()

@@ -17,7 +17,7 @@ from strawberry.asgi import GraphQL
 from strawberry.scalars import JSON
 from strawberry.types import Info
 
-from corrallm.api import schemas, service, usage
+from corrallm.api import keys, schemas, service, usage
 from corrallm.gateway import Gateway
 from corrallm.proxy.errors import ApiError
 
@@ -129,6 +129,10 @@ ActivityList = _gql(schemas.ActivityList)
 # captures (SPEC §21 O2)
 CaptureList = _gql(schemas.CaptureList)
 CaptureRecord = _gql(schemas.CaptureRecord)
+# keys (SPEC §22 T2)
+Keys = _gql(schemas.Keys)
+KeyWithSecret = _gql(schemas.KeyWithSecret)
+KeyRevoked = _gql(schemas.KeyRevoked)
 
 
 # -- resolvers: typed functions; the fields below give each its GraphQL type -------------
@@ -227,6 +231,42 @@ def _capture(info: Info, request_id: str) -> Any:
     return _sync(schemas.CaptureRecord, service.capture, _gw(info), request_id)
 
 
+# keys (SPEC §22 T2)
+
+
+def _keys(info: Info) -> Any:
+    return _sync(schemas.Keys, keys.list_keys, _gw(info))
+
+
+async def _create_key(
+    info: Info,
+    name: str,
+    group: str,
+    models: list[str] | None = None,
+    limits: JSON | None = None,
+    spend_limit: JSON | None = None,
+    expires: str | None = None,
+    trust_user_header: bool | None = None,
+) -> Any:
+    given = {
+        "models": models,
+        "limits": limits,
+        "spendLimit": spend_limit,
+        "expires": expires,
+        "trustUserHeader": trust_user_header,
+    }
+    fields = {"name": name, "group": group, **{k: v for k, v in given.items() if v is not None}}
+    return await _call(schemas.KeyWithSecret, keys.create_key(_gw(info), fields))
+
+
+async def _rotate_key(info: Info, name: str) -> Any:
+    return await _call(schemas.KeyWithSecret, keys.rotate_key(_gw(info), name))
+
+
+async def _revoke_key(info: Info, name: str) -> Any:
+    return await _call(schemas.KeyRevoked, keys.revoke_key(_gw(info), name))
+
+
 async def _reload_config(info: Info) -> Any:
     return await _call(schemas.ReloadResult, service.reload_config(_gw(info)))
 
@@ -319,6 +359,8 @@ class Query:
         graphql_type=CaptureRecord,
         description="GET /api/v1/captures/{request_id}",
     )
+    # keys (SPEC §22 T2)
+    keys = strawberry.field(resolver=_keys, graphql_type=Keys, description="GET /api/v1/keys")
 
 
 @strawberry.type
@@ -364,6 +406,18 @@ class Mutation:
         resolver=_unpause_extension,
         graphql_type=PauseResult,
         description="POST /api/v1/extensions/unpause",
+    )
+    # keys (SPEC §22 T2)
+    create_key = strawberry.mutation(
+        resolver=_create_key, graphql_type=KeyWithSecret, description="POST /api/v1/keys"
+    )
+    rotate_key = strawberry.mutation(
+        resolver=_rotate_key,
+        graphql_type=KeyWithSecret,
+        description="POST /api/v1/keys/{name}/rotate",
+    )
+    revoke_key = strawberry.mutation(
+        resolver=_revoke_key, graphql_type=KeyRevoked, description="DELETE /api/v1/keys/{name}"
     )
 
 

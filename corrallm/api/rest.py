@@ -10,14 +10,14 @@ import logging
 import uuid
 from typing import Annotated, Any
 
-from fastapi import FastAPI, Query, Request
+from fastapi import Body, FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from corrallm import __version__
-from corrallm.api import schemas, service, usage
+from corrallm.api import keys, schemas, service, usage
 from corrallm.events import HEARTBEAT_SECONDS
 from corrallm.gateway import Gateway
 from corrallm.proxy.errors import ApiError, internal
@@ -274,6 +274,51 @@ def build_rest(gw: Gateway) -> FastAPI:
     ) -> dict[str, Any]:
         """The newest rows first: one per request and per backend load."""
         return await usage.activity(gw, limit, key, model, group, since, until, user)
+
+    # -- keys (SPEC §22 T2) ----------------------------------------------------------------
+
+    @app.get(f"{PREFIX}/keys", response_model=schemas.Keys)
+    async def list_keys() -> dict[str, Any]:
+        """Every key by name (config and API ones); never a secret or a digest."""
+        return keys.list_keys(gw)
+
+    @app.post(
+        f"{PREFIX}/keys",
+        status_code=201,
+        response_model=schemas.KeyWithSecret,
+        responses={409: {"model": schemas.ErrorBody, "description": "key_exists"}},
+    )
+    async def create_key(
+        body: Annotated[dict[str, Any], Body(json_schema_extra=schemas.KEY_CREATE_SCHEMA)],
+    ) -> dict[str, Any]:
+        """Make a key; its `secret` is in this answer and nowhere else (the store keeps its
+        SHA-256 digest). 400 names every bad field; 409 `key_exists` for a name in use."""
+        return await keys.create_key(gw, body)
+
+    @app.post(
+        f"{PREFIX}/keys/{{name}}/rotate",
+        response_model=schemas.KeyWithSecret,
+        responses={
+            404: {"model": schemas.ErrorBody, "description": "key_not_found"},
+            409: {"model": schemas.ErrorBody, "description": "key_in_config"},
+        },
+    )
+    async def rotate_key(name: str) -> dict[str, Any]:
+        """A new `secret` for a key made here; the old one is refused (401) at once."""
+        return await keys.rotate_key(gw, name)
+
+    @app.delete(
+        f"{PREFIX}/keys/{{name}}",
+        response_model=schemas.KeyRevoked,
+        responses={
+            404: {"model": schemas.ErrorBody, "description": "key_not_found"},
+            409: {"model": schemas.ErrorBody, "description": "key_in_config"},
+        },
+    )
+    async def revoke_key(name: str) -> dict[str, Any]:
+        """Revoke a key made here: refused (401) from the next request on, on every gateway
+        sharing a PostgreSQL store within a second."""
+        return await keys.revoke_key(gw, name)
 
     # -- captures (SPEC §21 O2) ----------------------------------------------------------
 

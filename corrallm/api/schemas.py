@@ -3,9 +3,11 @@ for the OpenAPI document."""
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field
+
+from corrallm.config.schema import KeyPolicy
 
 
 class Wide:
@@ -511,3 +513,83 @@ class CaptureRecord(CaptureRow):
     )
     encoding: CaptureEncodings
     headers: CaptureHeaders = Field(description="as text; credentials shown as [redacted]")
+
+
+# -- keys made at runtime (SPEC §22 T2) ---------------------------------------------------
+
+KEY_NAME = r"^[A-Za-z0-9._@-]{1,64}$"  # as the config's named keys (config/validation.py)
+
+
+class KeyCreate(KeyPolicy):
+    """`POST /api/v1/keys`: the policy fields are the config's named keys' (camelCase); the
+    secret is corrallm's to make."""
+
+    name: str = Field(pattern=KEY_NAME, description="1-64 letters, digits, '.', '-', '_', '@'")
+    group: str = Field(description="a configured priority group, or scheduler.defaultGroup")
+
+
+def _inline(schema: dict[str, Any]) -> dict[str, Any]:
+    """A model's JSON schema with its `$defs` written in place: what a body taken as a plain
+    mapping (validated by the service, every problem at once) documents as its schema."""
+    defs = schema.pop("$defs", {})
+
+    def resolve(node: Any) -> Any:
+        if isinstance(node, dict):
+            ref = node.get("$ref")
+            if isinstance(ref, str) and ref.startswith("#/$defs/"):
+                return resolve(defs[ref.removeprefix("#/$defs/")])
+            return {k: resolve(v) for k, v in node.items()}
+        if isinstance(node, list):
+            return [resolve(v) for v in node]
+        return node
+
+    resolved: dict[str, Any] = resolve(schema)
+    return resolved
+
+
+KEY_CREATE_SCHEMA = _inline(KeyCreate.model_json_schema(by_alias=True))
+
+
+class RateLimitsView(BaseModel):
+    rpm: int | None = None
+    tpm: int | None = None
+    concurrent: int | None = None
+
+
+class KeyLimitsView(RateLimitsView):
+    per_user: RateLimitsView | None = Field(None, serialization_alias="perUser")
+
+
+class SpendLimitView(BaseModel):
+    usd: float
+    window: float = Field(description="seconds")
+
+
+class KeyFields(BaseModel):
+    name: str = Field(description="what rows, views, events and metrics show")
+    group: str | None = Field(description="its priority group; null: the default group")
+    source: str = Field(description="config | api (made through this API)")
+    prefix: str | None = Field(description="the secret's first 7 characters; null for config keys")
+    models: list[str] = Field(description="allowlist globs; empty: every model")
+    limits: KeyLimitsView | None
+    spend_limit: SpendLimitView | None = Field(serialization_alias="spendLimit")
+    expires: str | None = Field(description="as given: a date (valid through it, UTC) or a time")
+    created: str | None = Field(description="RFC 3339; null for config keys")
+    trust_user_header: bool = Field(serialization_alias="trustUserHeader")
+
+
+class KeyView(KeyFields):
+    last_used: str | None = Field(description="when a request of it last settled, RFC 3339")
+
+
+class Keys(BaseModel):
+    keys: list[KeyView] = Field(description="config keys (in config order), then the API's")
+
+
+class KeyWithSecret(KeyFields):
+    secret: str = Field(description="`ck-` and 43 URL-safe characters: shown this once")
+
+
+class KeyRevoked(BaseModel):
+    name: str
+    revoked: bool

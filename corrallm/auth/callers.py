@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from corrallm.auth.keys import UNKNOWN, Identity, KeyRing, digest_of
+from corrallm.auth.keys import UNKNOWN, Identity, KeyRing, Refused, digest_of
 from corrallm.config import Config
 from corrallm.config.schema import PriorityGroup
 
@@ -22,6 +22,7 @@ class Caller:
     group: PriorityGroup | None
     known: bool  # a configured (or runtime) key, or a lane a peer signed (X3)
     identity: Identity | None = None
+    refused: Refused | None = None  # a secret revoked or rotated away (T2): always 401
 
 
 class Callers:
@@ -58,8 +59,18 @@ class Callers:
             return caller
         identity = self.ring.find(digest)
         if identity is None:
-            return self._unknown  # never cached: unknown keys are anybody's to invent
+            refused = self.ring.refused(digest)
+            if refused is None:
+                return self._unknown  # never cached: unknown keys are anybody's to invent
+            # Cached: refused digests are the store's, as few as the keys ever revoked.
+            caller = Caller(refused.name, self._default, None, False, refused=refused)
+            self._cache[digest] = caller
+            return caller
         group = identity.group or self._default
+        if identity.source == "api" and group not in self._groups:
+            # A runtime key's group that this config lacks (another gateway's, on a shared
+            # store, or one a reload removed): its caller is served in the default lane.
+            group = self._default
         caller = Caller(identity.name, group, self._groups.get(group), True, identity)
         self._cache[digest] = caller
         return caller

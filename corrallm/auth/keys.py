@@ -105,41 +105,67 @@ class Identity:
         )
 
 
+@dataclass(frozen=True, slots=True)
+class Refused:
+    """A secret that was a runtime key's until it was revoked or rotated away (T2): refused
+    as such, even where unknown keys are served, so it never falls into the default lane."""
+
+    name: str  # the key it belonged to
+    reason: Literal["revoked", "rotated"]
+    at: float  # unix seconds
+
+
 class KeyRing:
-    """Every key in force, by digest and by name: the config's and the runtime ones."""
+    """Every key in force, by digest and by name: the config's and the runtime ones; and
+    the secrets refused (revoked or rotated away), by digest."""
 
     def __init__(self) -> None:
         self._config: dict[str, Identity] = {}
         self._api: dict[str, Identity] = {}
         self._by_digest: dict[bytes, Identity] = {}
+        self._refused: dict[bytes, Refused] = {}
         self.version = 0  # bumped by every change, for the callers cached on it
 
     def reconfigure(self, keys: Mapping[str, ApiKey]) -> None:
         self._config = {name: Identity.of_config(name, key) for name, key in keys.items()}
         self._rebuild()
 
-    def load(self, identities: Iterable[Identity]) -> None:
-        """The runtime keys, as the store holds them now (all of them)."""
+    def load(
+        self, identities: Iterable[Identity], refused: Mapping[bytes, Refused] | None = None
+    ) -> None:
+        """The runtime keys, as the store holds them now (all of them), and the digests it
+        refuses (when given: all of them)."""
         self._api = {i.name: i for i in identities}
+        if refused is not None:
+            self._refused = dict(refused)
         self._rebuild()
 
-    def put(self, identity: Identity) -> None:
-        """A runtime key made or rotated here."""
+    def put(self, identity: Identity, refused: Mapping[bytes, Refused] | None = None) -> None:
+        """A runtime key made or rotated here (`refused`: the secret it replaced)."""
         self._api[identity.name] = identity
+        self._refused.update(refused or {})
         self._rebuild()
 
-    def drop(self, name: str) -> Identity | None:
+    def drop(self, name: str, refused: Mapping[bytes, Refused] | None = None) -> Identity | None:
+        """A runtime key revoked here (`refused`: its secret, refused from now on)."""
         gone = self._api.pop(name, None)
-        if gone is not None:
-            self._rebuild()
+        self._refused.update(refused or {})
+        self._rebuild()
         return gone
 
     def _rebuild(self) -> None:
         table: dict[bytes, Identity] = {}
-        for identity in (*self._api.values(), *self._config.values()):
+        for identity in self._api.values():
+            if identity.name not in self._config:  # a config key shadows its runtime namesake
+                table[identity.digest] = identity
+        for identity in self._config.values():
             table[identity.digest] = identity  # a config key wins a (freak) digest clash
         self._by_digest = table
         self.version += 1
+
+    def refused(self, digest: bytes) -> Refused | None:
+        """Why a secret that is no key is refused (revoked or rotated away), if it was one."""
+        return self._refused.get(digest)
 
     def resolve(self, secret: str) -> Identity | None:
         """The key whose secret this is, or None. Looked up by digest, then compared in
@@ -159,8 +185,10 @@ class KeyRing:
         return name in self._config
 
     def all(self) -> list[Identity]:
-        """Config keys first (in config order), then runtime ones by name."""
-        return [*self._config.values(), *sorted(self._api.values(), key=lambda i: i.name)]
+        """Config keys first (in config order), then runtime ones by name (those a config
+        key of the same name shadows left out)."""
+        api = [i for i in self._api.values() if i.name not in self._config]
+        return [*self._config.values(), *sorted(api, key=lambda i: i.name)]
 
     def __len__(self) -> int:
         return len(self._by_digest)

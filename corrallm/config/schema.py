@@ -498,7 +498,23 @@ class KeyLimits(RateLimits):
     )
 
 
-class ApiKey(Section):
+class KeyPolicy(Section):
+    """What a key may do (SPEC §22 T1, T3, T4): the config's named keys and the keys made
+    at runtime through the management API (T2) take the same fields."""
+
+    group: str | None = Field(None, description="its priority group; default: the default one")
+    models: list[str] = Field(
+        default_factory=list, description="allowlist: globs on served names and aliases"
+    )
+    limits: KeyLimits | None = None
+    spend_limit: SpendLimit | None = None
+    expires: date | datetime | None = Field(
+        None, description="a date (valid through that day, UTC) or a time"
+    )
+    trust_user_header: bool = False
+
+
+class ApiKey(KeyPolicy):
     """A named key (SPEC §22 T1). The secret never outlives validation: it is replaced by
     its SHA-256 digest, so no config object, dump or error holds it."""
 
@@ -510,16 +526,6 @@ class ApiKey(Section):
         pattern=r"^sha256:[0-9a-fA-F]{64}$",
         description="sha256:<hex>, as `corrallm keys hash` prints it",
     )
-    group: str | None = Field(None, description="its priority group; default: the default one")
-    models: list[str] = Field(
-        default_factory=list, description="allowlist: globs on served names and aliases"
-    )
-    limits: KeyLimits | None = None
-    spend_limit: SpendLimit | None = None
-    expires: date | datetime | None = Field(
-        None, description="a date (valid through that day, UTC) or a time"
-    )
-    trust_user_header: bool = False
     short: bool = Field(False, exclude=True, description="written as `<secret>: <group>`")
 
     @model_validator(mode="after")

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 import aiohttp
 
 from corrallm.auth.callers import Caller, trusts_user, user_named
+from corrallm.auth.keys import Refused
 from corrallm.cost.ledger import Visit
 from corrallm.gateway import Gateway
 from corrallm.lifecycle.errors import BackendPaused, LifecycleError
@@ -189,6 +190,8 @@ class Pipeline:
         return self.identify(scope, exchange.lane if exchange is not None else None)
 
     def check_key(self, caller: Caller) -> None:
+        if caller.refused is not None:  # T2: refused whatever requireKeys says
+            raise key_refused(caller.refused)
         identity = caller.identity
         if identity is not None and identity.expired(time.time()):
             raise ApiError(
@@ -460,6 +463,21 @@ class _Flight:
 
 
 # -- the gates' pieces, shared with the surfaces that use only some of them -------------
+
+
+def key_refused(refused: Refused) -> ApiError:
+    """T2: a secret revoked or rotated away, named by its key (never by the secret)."""
+    when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(refused.at))
+    if refused.reason == "rotated":
+        why = (
+            f"was rotated at {when}: this secret was replaced by a new one. Send the new "
+            "secret (the operator received it from the rotation)."
+        )
+    else:
+        why = f"was revoked at {when}. Ask the gateway's operator for a new key."
+    return ApiError(
+        401, f"The API key '{refused.name}' {why}", "invalid_api_key", type="authentication_error"
+    )
 
 
 def caller_key(scope: Scope) -> str | None:

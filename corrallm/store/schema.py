@@ -248,6 +248,16 @@ SCHEMA: Sequence[Sequence[Statement]] = (
             last_used DOUBLE PRECISION
         ){without_rowid}
         """,
+        # T2: the digests of secrets revoked or rotated away, so such a secret is refused
+        # as such (401) even where unknown keys are served (no `requireKeys`).
+        """
+        CREATE TABLE revoked_keys (
+            digest TEXT PRIMARY KEY,       -- sha256:<hex> of the secret no longer valid
+            name TEXT NOT NULL,            -- the key it belonged to
+            reason TEXT NOT NULL CHECK (reason IN ('revoked', 'rotated')),
+            at DOUBLE PRECISION NOT NULL   -- unix seconds
+        ){without_rowid}
+        """,
     ),
 )
 

@@ -7,6 +7,7 @@ import json
 from collections import defaultdict
 from typing import Any
 
+from corrallm.api import keys as api_keys
 from corrallm.api import service, usage
 from corrallm.config.schema import ANY_GPU
 from corrallm.gateway import Gateway
@@ -23,6 +24,7 @@ SECTIONS = (
     "logs",
     "economics",
     "playground",
+    "keys",
     "definitions",
 )
 # Fragments the page fetches on demand and never renders on its own: one capture (O2),
@@ -58,6 +60,8 @@ async def section(name: str, gw: Gateway, params: dict[str, str]) -> dict[str, A
         return service.economics(gw)
     if name == "playground":
         return playground(gw)
+    if name == "keys":
+        return keys(gw)
     return definitions(gw)
 
 
@@ -216,6 +220,15 @@ def playground(gw: Gateway) -> dict[str, Any]:
         "formats": FORMATS,
         "format": "diarized_json" if models and models[0]["diarizes"] else "json",
         "needs_key": gw.config.scheduler.require_keys,
+    }
+
+
+def keys(gw: Gateway) -> dict[str, Any]:
+    """T2: every key by name (never a secret), and the lanes a new one may join."""
+    return {
+        "keys": api_keys.list_keys(gw)["keys"],
+        "groups": api_keys.groups(gw),
+        "default_group": gw.config.scheduler.default_group,
     }
 
 

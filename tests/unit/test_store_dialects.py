@@ -33,6 +33,7 @@ T0 = 1_767_225_600  # 2026-01-01T00:00:00Z
 LATEST = len(SCHEMA)
 TABLES = {
     "api_keys",
+    "revoked_keys",
     "pauses",
     "activity",
     "queue_depth",
