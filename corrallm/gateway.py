@@ -24,6 +24,7 @@ from typing import Any
 
 from corrallm.auth.callers import Caller, Callers
 from corrallm.auth.keys import KeyRing
+from corrallm.auth.throttle import Throttle
 from corrallm.config import Config
 from corrallm.config.schema import ProcessSpec
 from corrallm.cost.economics import Economics
@@ -97,6 +98,7 @@ class Gateway:
         self.keys = KeyRing()  # T1/T2: the config's keys and the runtime ones, as digests
         self.keys.reconfigure(config.keys)
         self.callers = Callers(config, self.keys)
+        self.throttle = Throttle(self.store)  # T3: per-key rpm, tpm and concurrency
         self.admission = Admission(config, self.routes)
         self.pauses = Pauses(self.store, self.topology.pausables())
         self.captures = Captures(config, self.keys)
@@ -225,7 +227,11 @@ class Gateway:
         self.probe.open()
         await self.store.open()
         await self.residency.restore(self.store)  # M2: what earlier runs measured
-        await self.ledger.restore(self.store)
+        # S6, T3: the spend still in the windows of lanes and of keys with a spendLimit
+        # (the runtime keys must be in the ring by now to have theirs restored).
+        await self.ledger.restore(
+            self.store, [(i.name, i.spend_limit) for i in self.keys.all() if i.spend_limit]
+        )
         await self.economics.start()
         self.residency.reader = await asyncio.to_thread(memory_reader)
         await recover(self.home, self.supervisors)
@@ -257,6 +263,7 @@ class Gateway:
         finally:
             try:
                 await self.ledger.flush()  # X5: spend settlements queued for a shared store
+                await self.throttle.flush()  # X5, T3: and rate-limit settlements
                 await self.activity.flush()
             finally:
                 await self.store.close()
