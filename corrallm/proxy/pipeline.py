@@ -283,7 +283,11 @@ class Pipeline:
                     code="model_not_found",
                 )
             visit.model = served.name
-            await self._limited(served, flight)
+            asks = asks_of(caller.identity, visit.user) if caller.identity else ()
+            if asks:
+                await self._limited(served, flight, asks)
+            else:  # most callers: no await level of its own on the hot path (app.py)
+                await self._admit_and_work(served, flight)
         except ApiError as exc:
             visit.status, visit.error = exc.status, f"{exc.code}: {exc.message}"
             for name, value in flight.waited.headers().items():
@@ -317,13 +321,10 @@ class Pipeline:
         finally:
             watch.close()
 
-    async def _limited(self, served: ServedModel, flight: _Flight) -> None:
+    async def _limited(self, served: ServedModel, flight: _Flight, asks: tuple[Ask, ...]) -> None:
         """T3: a key's (and its user's) rate limits, held from here until the request is
         over, whatever ends it; the rest of the way in `_admit_and_work`."""
         identity = flight.caller.identity
-        asks: tuple[Ask, ...] = asks_of(identity, flight.visit.user) if identity else ()
-        if not asks:
-            return await self._admit_and_work(served, flight)
         assert identity is not None
         gw, inbound = self.gw, flight.inbound
         estimate = gw.ledger.costs.estimate_tokens(

@@ -12,10 +12,11 @@ from pathlib import Path
 
 import pytest
 
+from corrallm.auth.keys import Identity
 from corrallm.auth.limits import Ask, Refused
-from corrallm.auth.throttle import Pass, Throttle
+from corrallm.auth.throttle import Pass, Throttle, asks_of
 from corrallm.config import load_config_text
-from corrallm.config.schema import RateLimits, SpendLimit
+from corrallm.config.schema import KeyLimits, RateLimits, SpendLimit
 from corrallm.cost.ledger import Ledger, OverSpend, Visit
 from corrallm.store import rates
 from corrallm.store.activity import ActivityLog
@@ -84,6 +85,28 @@ async def test_T3_the_throttle_counts_in_memory_on_an_embedded_store(tmp_path: P
     remaining = [(p.remaining.requests, p.remaining.tokens) for p in (first, second)]
     assert remaining == [(1, 70), (0, 40)]
     assert not isinstance(third, Pass) and third[0].rule == "rpm"
+
+
+def test_T3_T4_a_request_is_counted_for_its_key_and_for_its_user_under_perUser():
+    per_user = RateLimits(rpm=2)
+    both = Identity("alice", None, b"", limits=KeyLimits(rpm=10, per_user=per_user))
+    users_only = Identity("bob", None, b"", limits=KeyLimits(per_user=per_user))
+    assert [
+        asks_of(both, "carol@example.org"),
+        asks_of(both, None),  # no user named: the key's limits only
+        asks_of(users_only, "dan"),
+        asks_of(users_only, None),
+        asks_of(Identity("free", None, b""), "erin"),
+    ] == [
+        (
+            Ask("key:alice", KeyLimits(rpm=10, per_user=per_user)),
+            Ask("key:alice/user:carol@example.org", per_user),
+        ),
+        (Ask("key:alice", KeyLimits(rpm=10, per_user=per_user)),),
+        (Ask("key:bob/user:dan", per_user),),
+        (),
+        (),
+    ]
 
 
 @POSTGRES_TIER
