@@ -126,7 +126,6 @@ class CorrallmApp:
         try:
             _require(scope["method"], surface.method, path)
             exchange.caller = self.pipeline.identify(scope, exchange.lane)
-            exchange.user = self.pipeline.user_of(scope, exchange.caller)
             body = await self._body(scope, receive)
             exchange.capture = self.gateway.captures.open(exchange.id, scope, body)
             await surface.handler(self.pipeline, scope, receive, out, body)
@@ -350,15 +349,17 @@ async def _ignored() -> None:
 
 
 def _answering(send: Send, exchange: Exchange) -> Send:
-    """`send` with `X-Corrallm-Request-Id` on the answer's head (SPEC §21 O1), feeding the
-    exchange's capture, if any, what goes out (O2)."""
+    """`send` with `X-Corrallm-Request-Id` on the answer's head (SPEC §21 O1) and the
+    headers the pipeline left on the exchange (T3: the key's x-ratelimit-* counts), on
+    every answer, success, stream or error; feeding the exchange's capture, if any, what
+    goes out (O2)."""
     rid = exchange.id.encode()
 
     def answering(message: Message) -> Awaitable[None]:  # no coroutine of its own
         capture = exchange.capture
         if message["type"] == "http.response.start":
             exchange.answered = True
-            headers = [*message.get("headers", ()), (HEADER, rid)]
+            headers = [*message.get("headers", ()), (HEADER, rid), *(exchange.headers or ())]
             message = {**message, "headers": headers}
             if capture is not None:
                 capture.start(message["status"], headers)

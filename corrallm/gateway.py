@@ -25,6 +25,7 @@ from typing import Any
 from corrallm.auth.callers import Caller, Callers
 from corrallm.auth.keys import KeyRing
 from corrallm.auth.runtime import RuntimeKeys
+from corrallm.auth.throttle import Throttle
 from corrallm.config import Config
 from corrallm.config.schema import ProcessSpec
 from corrallm.cost.economics import Economics
@@ -99,6 +100,7 @@ class Gateway:
         self.keys.reconfigure(config.keys)
         self.callers = Callers(config, self.keys)
         self.runtime_keys = RuntimeKeys(self.store, self.keys)  # T2: the API's keys, last_used
+        self.throttle = Throttle(self.store)  # T3: per-key rpm, tpm and concurrency
         self.admission = Admission(config, self.routes)
         self.pauses = Pauses(self.store, self.topology.pausables())
         self.captures = Captures(config, self.keys)
@@ -228,13 +230,17 @@ class Gateway:
         self.probe.open()
         await self.store.open()
         await self.residency.restore(self.store)  # M2: what earlier runs measured
-        await self.ledger.restore(self.store)
+        await self.runtime_keys.restore()  # T2: the API's keys, before their spend windows
+        # S6, T3: the spend still in the windows of lanes and of keys with a spendLimit
+        # (the runtime keys must be in the ring by now to have theirs restored).
+        await self.ledger.restore(
+            self.store, [(i.name, i.spend_limit) for i in self.keys.all() if i.spend_limit]
+        )
         await self.economics.start()
         self.residency.reader = await asyncio.to_thread(memory_reader)
         await recover(self.home, self.supervisors)
         await self.pauses.restore()
         self.background(self.pauses.follow())  # X5: other gateways' pauses (shared store)
-        await self.runtime_keys.restore()
         self.background(self.runtime_keys.follow())  # T2: other gateways' keys (shared store)
         self.background(self.runtime_keys.run())
         await self.nodes.start()
@@ -263,6 +269,7 @@ class Gateway:
         finally:
             try:
                 await self.ledger.flush()  # X5: spend settlements queued for a shared store
+                await self.throttle.flush()  # X5, T3: and rate-limit settlements
                 await self.activity.flush()
                 await self.runtime_keys.flush()
             finally:

@@ -4,9 +4,12 @@ One place turns a finished visit into dollars and energy, settles the lane's spe
 reservation, and appends its activity row (to the batched writer: no I/O here).
 
 Spend limits (S6) on an embedded store live in memory (cost/spend.py): reserving costs no
-I/O. On a store shared by several gateways (X5) a lane with a `spendLimit` reserves in the
-database (store/spend.py), atomically across the gateways, and settles through a batched
-writer off the request path. If the database cannot be reached, the lane falls back to
+I/O. A request reserves against its lane's limit and, when its key has a `spendLimit` of
+its own (SPEC §22 T3), against that too: both must fit, and both are charged.
+
+On a store shared by several gateways (X5) a lane (or key) with a `spendLimit` reserves
+in the database (store/spend.py), atomically across the gateways, and settles through a
+batched writer off the request path. If the database cannot be reached, the lane falls back to
 this gateway's own window for a few seconds, with a warning: serving goes on when the store
 is down (SPEC §20), the limit then held per gateway.
 """
@@ -18,9 +21,10 @@ import logging
 import os
 import socket
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from corrallm.config.schema import Backend, Config, ProcessSpec
+from corrallm.config.schema import Backend, Config, ProcessSpec, SpendLimit
 from corrallm.cost.model import FREE, CostModel, Metered, Price
 from corrallm.cost.spend import SpendWindow, retry_after
 from corrallm.store import spend as table
@@ -34,6 +38,32 @@ FALLBACK_SECONDS = 5.0  # a shared store that failed a reservation is asked agai
 RESERVE_SECONDS = 2.0  # a shared store slower than this to reserve counts as failed
 REFRESH_SECONDS = 2.0  # how stale a shared lane's `spent` may get before it is read again
 PRUNE_SECONDS = 300.0  # how often a shared lane's rows out of the window are deleted
+
+
+@dataclass(frozen=True, slots=True)
+class SpendHold:
+    """A visit's reservation against one spend window."""
+
+    lane: str  # a group's name, or `key:<name>` for a key's own window
+    usd: float
+    reservation: int | None = None  # its row in a shared store (X5)
+
+
+@dataclass(frozen=True, slots=True)
+class OverSpend:
+    """Why a visit was refused a spend reservation (S6, T3)."""
+
+    lane: str  # the group's name, or the key's
+    key: bool  # the key's own spendLimit (else its group's)
+    estimate: float  # dollars
+    limit: float
+    wait: float | None  # seconds until it would fit; None: the estimate alone is over
+
+
+def key_lane(name: str) -> str:
+    """A key's own spend window, as the shared `spend` table names it (group names are
+    kept apart in memory; in the table a group named `key:…` would share the window)."""
+    return "key:" + name
 
 
 @dataclass(slots=True)
@@ -57,8 +87,7 @@ class Visit:
     spilled: bool = False
     preempted: bool = False
     error: str | None = None
-    reserved_usd: float = 0.0
-    reservation: int | None = None  # its reservation's row in a shared store (X5)
+    holds: tuple[SpendHold, ...] = ()  # its spend reservations (its lane's, its key's)
     price: Price | None = None
     request_id: str | None = None  # X-Corrallm-Request-Id (SPEC §21 O1)
     queue_ms: float = 0.0  # waiting for a slot
@@ -71,6 +100,7 @@ class Ledger:
     def __init__(self, config: Config, activity: ActivityLog) -> None:
         self.activity = activity
         self.spend: dict[str, SpendWindow] = {}  # the embedded windows, or the fallback
+        self.key_spend: dict[str, SpendWindow] = {}  # keys' own windows, by key name (T3)
         store = activity.store
         self.shared: Store | None = store if store.dialect.shared else None
         self.gateway = f"{socket.gethostname()}/{os.getpid()}"
@@ -94,12 +124,28 @@ class Ledger:
             spend[name] = window
         self.spend = spend
 
-    async def restore(self, store: Store) -> None:
-        """After a restart, the spend still inside each limited lane's window (S6). (A
-        shared store's `spend` table needs no restoring: this fills the fallback windows.)"""
+    async def restore(self, store: Store, keys: Iterable[tuple[str, SpendLimit]] = ()) -> None:
+        """After a restart, the spend still inside each limited lane's window (S6), and
+        each of `keys`' (their names and spendLimits: T3). (A shared store's `spend` table
+        needs no restoring: this fills the fallback windows.)"""
         for group, window in self.spend.items():
             for minute, usd in await table.recent_costs(store, group, time.time() - window.window):
                 window.add(usd, minute)
+        for name, limit in keys:
+            window = self._key_window(name, limit)
+            since = time.time() - window.window
+            for minute, usd in await table.recent_key_costs(store, name, since):
+                window.add(usd, minute)
+
+    def _key_window(self, name: str, limit: SpendLimit) -> SpendWindow:
+        """A key's own window, made on first use; its limit as the key says now (a reload
+        or a key changed at runtime applies from its next request)."""
+        window = self.key_spend.get(name)
+        if window is None:
+            window = self.key_spend[name] = SpendWindow(limit.usd, limit.window)
+        else:
+            window.limit_usd, window.window = limit.usd, limit.window
+        return window
 
     def spent(self, group: str) -> float:
         """The lane's spending in its window. On a shared store, every gateway's, as last
@@ -115,49 +161,92 @@ class Ledger:
             self._read_spent(group, window)
         return known[0] if known is not None else window.spent(now)
 
-    async def reserve(self, visit: Visit, backend: Backend, max_tokens: int | None) -> float | None:
-        """S6: hold the visit's estimated cost; None if admitted, else seconds to wait.
+    async def reserve(
+        self,
+        visit: Visit,
+        backend: Backend,
+        max_tokens: int | None,
+        key_limit: SpendLimit | None = None,
+    ) -> OverSpend | None:
+        """S6: hold the visit's estimated cost against its lane's window and, with
+        `key_limit` (its key's own spendLimit, T3), its key's; None if both fit.
 
-        On a shared store this is a database round trip (for lanes with a `spendLimit`
-        only; the others return at once), so that the limit holds across the gateways."""
-        window = self.spend.get(visit.group)
-        if window is None:
+        On a shared store this is a database round trip per limited window (lanes and
+        keys without a `spendLimit` return at once), so that the limits hold across the
+        gateways. An estimate larger than a whole limit is refused before anything is
+        reserved: waiting cannot help it."""
+        windows: list[tuple[str, str, bool, SpendWindow]] = []  # (lane, name, key?, window)
+        group = self.spend.get(visit.group)
+        if group is not None:
+            windows.append((visit.group, visit.group, False, group))
+        if key_limit is not None and visit.key is not None:
+            own = self._key_window(visit.key, key_limit)
+            windows.append((key_lane(visit.key), visit.key, True, own))
+        if not windows:
             return None
         estimate = self.costs.estimate(backend, visit.bytes_in, max_tokens)
-        now = time.time()
+        for _, name, key, window in windows:
+            if estimate > window.limit_usd + 1e-12:
+                return OverSpend(name, key, estimate, window.limit_usd, None)
+        holds: list[SpendHold] = []
+        for lane, name, key, window in windows:
+            now = time.time()
+            got = await self._reserve(lane, window, estimate, now)
+            if isinstance(got, float):
+                for hold in holds:  # the other window's reservation is given back
+                    self._give_back(hold, now)
+                return OverSpend(name, key, estimate, window.limit_usd, got)
+            holds.append(got)
+        visit.holds = tuple(holds)
+        return None
+
+    async def _reserve(
+        self, lane: str, window: SpendWindow, estimate: float, now: float
+    ) -> SpendHold | float:
+        """Reserve in one window: the hold, or seconds to wait."""
         if self.shared is not None and now >= self._fallback_until:
             try:
                 async with asyncio.timeout(RESERVE_SECONDS):
-                    return await self._reserve_shared(visit, window, estimate, now)
+                    return await self._reserve_shared(lane, window, estimate, now)
             except (StoreUnavailable, TimeoutError) as exc:
                 self._fallback_until = now + FALLBACK_SECONDS
                 log.warning(
                     "spend limit of lane %s: the shared store failed (%s); holding the limit "
                     "with this gateway's own spending for %gs",
-                    visit.group,
+                    lane,
                     str(exc) or f"no answer in {RESERVE_SECONDS:g}s",
                     FALLBACK_SECONDS,
                 )
         wait = window.try_reserve(estimate, now)
-        if wait is None:
-            visit.reserved_usd = estimate
-        return wait
+        return SpendHold(lane, estimate) if wait is None else wait
 
     async def _reserve_shared(
-        self, visit: Visit, window: SpendWindow, estimate: float, now: float
-    ) -> float | None:
+        self, lane: str, window: SpendWindow, estimate: float, now: float
+    ) -> SpendHold | float:
         assert self.shared is not None
-        group = visit.group
         got = await table.reserve(
-            self.shared, group, estimate, window.limit_usd, window.window, now, self.gateway
+            self.shared, lane, estimate, window.limit_usd, window.window, now, self.gateway
         )
-        self._known[group] = (got.spent, now)
+        self._known[lane] = (got.spent, now)
         if got.id is not None:
-            visit.reserved_usd, visit.reservation = estimate, got.id
-            return None
+            return SpendHold(lane, estimate, got.id)
         over = got.spent + got.reserved + estimate - window.limit_usd
-        spending = await table.spending(self.shared, group, now - window.window)
+        spending = await table.spending(self.shared, lane, now - window.window)
         return retry_after(spending, over, window.window, now)
+
+    def _give_back(self, hold: SpendHold, now: float) -> None:
+        """Undo a reservation of a visit refused by its other window: nothing spent."""
+        if hold.reservation is not None:
+            self.settlements.settle(hold.reservation, 0.0, now)
+            return
+        window = self._window(hold.lane)
+        if window is not None:
+            window.settle(hold.usd, 0.0, now)
+
+    def _window(self, lane: str) -> SpendWindow | None:
+        if lane.startswith("key:"):
+            return self.key_spend.get(lane[4:])
+        return self.spend.get(lane)
 
     def _read_spent(self, group: str, window: SpendWindow) -> None:
         """Read a shared lane's spending again, in the background (one read at a time)."""
@@ -203,15 +292,10 @@ class Ledger:
         """The visit's real cost: charged to its lane and written to the activity log."""
         now = time.time()
         price = self.price(visit)
-        window = self.spend.get(visit.group)
-        if window is not None:
-            if visit.reservation is not None:  # reserved in the shared store
-                window.add(price.cost_usd, now)  # (this gateway's own, for a fallback)
-                self.settlements.settle(visit.reservation, price.cost_usd, now)
-            else:
-                window.settle(visit.reserved_usd, price.cost_usd, now)
-                if self.shared is not None and price.cost_usd > 0:  # reserved while it was down
-                    self.settlements.add(visit.group, price.cost_usd, now)
+        self._charge(visit.group, self.spend.get(visit.group), visit, price.cost_usd, now)
+        if visit.key is not None and self.key_spend:
+            lane = key_lane(visit.key)
+            self._charge(lane, self.key_spend.get(visit.key), visit, price.cost_usd, now)
         m = visit.metered or Metered()
         audio = visit.backend is not None and self.costs.audio(visit.backend)
         admitted = visit.admitted_mono or time.monotonic()
@@ -244,6 +328,21 @@ class Ledger:
         )
         return price
 
+    def _charge(
+        self, lane: str, window: SpendWindow | None, visit: Visit, usd: float, now: float
+    ) -> None:
+        """The visit's real cost replaces its reservation in one spend window."""
+        if window is None:
+            return
+        hold = next((h for h in visit.holds if h.lane == lane), None)
+        if hold is not None and hold.reservation is not None:  # reserved in the shared store
+            window.add(usd, now)  # (this gateway's own, for a fallback)
+            self.settlements.settle(hold.reservation, usd, now)
+            return
+        window.settle(hold.usd if hold is not None else 0.0, usd, now)
+        if self.shared is not None and usd > 0:  # reserved while it was down
+            self.settlements.add(lane, usd, now)
+
     def load(
         self,
         spec: ProcessSpec,
@@ -254,10 +353,14 @@ class Ledger:
         """C1: a backend's load energy, as a `load` row for the caller that caused it."""
         price = self.costs.load(spec, seconds)
         key, group, model = cause or (None, "system", backend_id)
-        if group in self.spend:
-            self.spend[group].add(price.cost_usd, time.time())
-            if self.shared is not None and price.cost_usd > 0:
-                self.settlements.add(group, price.cost_usd, time.time())
+        lanes = [(group, self.spend.get(group))]
+        if key is not None:  # T3: a key's own spendLimit pays for the starts it causes
+            lanes.append((key_lane(key), self.key_spend.get(key)))
+        for lane, window in lanes:
+            if window is not None:
+                window.add(price.cost_usd, time.time())
+                if self.shared is not None and price.cost_usd > 0:
+                    self.settlements.add(lane, price.cost_usd, time.time())
         self.activity.record(
             Activity(
                 t=time.time() - seconds,

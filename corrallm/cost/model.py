@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from corrallm.config.schema import Backend, CommandCost, Config, ProcessSpec
 
 # When a request names no token limit, its completion is estimated at this many tokens
-# for the spend-limit reservation (replaced by the real count once known).
+# for the spend-limit and tpm reservations (replaced by the real count once known).
 DEFAULT_COMPLETION_ESTIMATE = 256
 BYTES_PER_TOKEN = 4  # the usual rule of thumb for estimating tokens from text
 
@@ -40,6 +40,16 @@ class Price:
 
 
 FREE = Price()  # what most requests cost: one, shared (a Price is never changed)
+
+
+def guess(body_bytes: int, max_tokens: int | None) -> Metered:
+    """What a request not yet served is likely to use: its body's tokens by the rule of
+    thumb, and the completion tokens it asks for (else DEFAULT_COMPLETION_ESTIMATE)."""
+    return Metered(
+        prompt_tokens=body_bytes // BYTES_PER_TOKEN,
+        completion_tokens=max_tokens or DEFAULT_COMPLETION_ESTIMATE,
+        bytes_in=body_bytes,
+    )
 
 
 class CostModel:
@@ -85,12 +95,15 @@ class CostModel:
 
     def estimate(self, backend: Backend, body_bytes: int, max_tokens: int | None) -> float:
         """Dollars a request is likely to cost, reserved against its lane's spend limit."""
-        guess = Metered(
-            prompt_tokens=body_bytes // BYTES_PER_TOKEN,
-            completion_tokens=max_tokens or DEFAULT_COMPLETION_ESTIMATE,
-            bytes_in=body_bytes,
-        )
-        return self.request(backend, guess).cost_usd
+        return self.request(backend, guess(body_bytes, max_tokens)).cost_usd
+
+    def estimate_tokens(self, backend: Backend, body_bytes: int, max_tokens: int | None) -> int:
+        """Tokens a request is likely to use, reserved against its key's tpm (SPEC §22 T3):
+        the same guess as for its cost. An audio upload's bytes are not tokens (its usage
+        is metered in bytes), so it reserves none."""
+        if self.audio(backend):
+            return 0
+        return guess(body_bytes, max_tokens).tokens
 
     def _energy(self, wh: float) -> Price:
         return Price(wh, wh * self._per_kwh / 1000)

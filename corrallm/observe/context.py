@@ -3,7 +3,8 @@
 The ASGI app opens an `Exchange` for each /v1 request before its codec runs and makes it
 current for the request's task (a context variable, so that no codec has to pass it on);
 the pipeline reads it to name the request, and the app's `send` wrapper puts the same id
-in `X-Corrallm-Request-Id` on every answer and feeds the capture what goes out.
+in `X-Corrallm-Request-Id` on every answer (with the headers the pipeline left in
+`headers`) and feeds the capture what goes out.
 """
 
 from __future__ import annotations
@@ -51,6 +52,9 @@ class Exchange:
     caller: Caller | None = None
     # T4: the user behind the caller's key, where the key may name one (auth.userHeader).
     user: str | None = None
+    # Headers the pipeline adds to the answer's head, whatever the answer (T3: the key's
+    # x-ratelimit-* counts); the app's send wrapper puts them there.
+    headers: list[tuple[bytes, bytes]] | None = None
 
 
 CURRENT: ContextVar[Exchange | None] = ContextVar("corrallm_exchange", default=None)

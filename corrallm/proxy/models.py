@@ -12,6 +12,10 @@ What the config decides is built once per topology (`gateway.version`); each ans
 only the live part, so a load or unload shows on the next GET. `unlisted` models are left
 out of the list but answer by name or alias on `/v1/models/{id}`, as they do on every
 other path: unlisted means not advertised, not hidden from a caller who knows the name.
+
+A key with a `models` allowlist (SPEC §22 T3) sees only the models it may use: the list
+leaves the others out and `/v1/models/{id}` answers 404 for them, as for a model that is
+not served.
 """
 
 from __future__ import annotations
@@ -20,12 +24,14 @@ from typing import Any
 
 import orjson
 
+from corrallm.auth.keys import Identity
 from corrallm.gateway import Gateway
 from corrallm.lifecycle.state import BEST_FIRST
 from corrallm.lifecycle.supervisor import Supervisor
 from corrallm.proxy.asgi import Scope, Send, send_bytes
 from corrallm.proxy.audio import speaks
-from corrallm.proxy.pipeline import Pipeline, modes_of
+from corrallm.proxy.errors import not_found
+from corrallm.proxy.pipeline import Pipeline, caller_key, modes_of, names_of
 from corrallm.routing.router import ServedModel
 
 PREFIX = "/v1/models/"
@@ -113,16 +119,29 @@ class ModelCatalog:
             "context_length": part["context_length"] if parsed is None else parsed,
         }
 
-    def listing(self) -> dict[str, Any]:
-        data = [self.entry(s) for s in self.gateway.served if not s.config.unlisted]
+    def listing(self, key: Identity | None = None) -> dict[str, Any]:
+        """Every listed model, or those `key` may use."""
+        data = [
+            self.entry(s)
+            for s in self.gateway.served
+            if not s.config.unlisted and (key is None or key.allows(names_of(s)))
+        ]
         return {"object": "list", "data": data}
 
     async def send(self, scope: Scope, send: Send) -> None:
         """`GET /v1/models`, or `GET /v1/models/{id}` (by name or alias; 404
-        model_not_found in the OpenAI shape)."""
+        model_not_found in the OpenAI shape), as the caller's key may see them."""
         path: str = scope["path"]
+        key = self.gateway.caller(caller_key(scope)).identity
         if path.startswith(PREFIX):
-            served = self.pipeline.lookup(path[len(PREFIX) :])
+            name = path[len(PREFIX) :]
+            served = self.pipeline.lookup(name)
+            if key is not None and not key.allows(names_of(served)):
+                raise not_found(
+                    f"The model '{name[:128]}' is not one this API key may use; GET /v1/models "
+                    "lists the models it may use.",
+                    code="model_not_found",
+                )
             await send_bytes(send, 200, orjson.dumps(self.entry(served)))
         else:
-            await send_bytes(send, 200, orjson.dumps(self.listing()))
+            await send_bytes(send, 200, orjson.dumps(self.listing(key)))

@@ -1,8 +1,9 @@
 """The one request pipeline (SPEC §3-§9): every surface that admits a request goes through
 the same gates, in the same order, here and nowhere else.
 
-    lookup -> modes -> pause -> keys -> spend reservation -> admission
-      -> ready + enter -> [the surface's work: forward, relay] -> leave -> release -> settle
+    keys -> lookup -> allowlist -> modes -> pause -> rate limits -> spend reservation
+      -> admission -> ready + enter -> [the surface's work: forward, relay] -> leave
+      -> release -> rate limits settled -> settle
 
 A surface (chat and friends, audio uploads and speech, realtime sessions, and later other
 dialects) is a codec around this: it reads its request into an `Inbound`, supplies the
@@ -28,6 +29,8 @@ import aiohttp
 
 from corrallm.auth.callers import Caller, trusts_user, user_named
 from corrallm.auth.keys import Refused
+from corrallm.auth.limits import Ask
+from corrallm.auth.throttle import Pass, asks_of
 from corrallm.cost.ledger import Visit
 from corrallm.gateway import Gateway
 from corrallm.lifecycle.errors import BackendPaused, LifecycleError
@@ -52,6 +55,7 @@ from corrallm.proxy.refusals import (
     cancelled,
     model_paused,
     peer_down,
+    rate_limited,
     spend_limited,
     too_many_requests,
 )
@@ -152,9 +156,11 @@ class Pipeline:
         return served
 
     def gates(self, inbound: Inbound, caller: Caller) -> ServedModel:
-        """keys -> lookup -> modes -> pause: everything decided before money or slots."""
+        """keys -> lookup -> allowlist -> modes -> pause: everything decided before money
+        or slots."""
         self.check_key(caller)
         served = self.lookup(inbound.model)
+        self.check_allowed(caller, served)
         if inbound.mode is not None and not offered(served, inbound.mode):
             raise not_found(
                 f"The model '{served.name}' is not offered on {inbound.endpoint}: its modes "
@@ -168,9 +174,18 @@ class Pipeline:
 
     def identify(self, scope: Scope, signed: str | None = None) -> Caller:
         """T1/T5: the caller, from the request head alone (no body byte read yet); a key
-        refused here is refused before the body is read."""
+        refused here is refused before the body is read. A key with rate limits gets its
+        counts on whatever answer follows (T3; once admitted, the counts after it)."""
         caller = self.gw.caller(caller_key(scope), signed)
         self.check_key(caller)
+        exchange = CURRENT.get()
+        if exchange is not None:
+            exchange.user = self.user_of(scope, caller)  # T4, before its limits are read
+        identity = caller.identity
+        if exchange is not None and identity is not None and identity.limits is not None:
+            asks = asks_of(identity, exchange.user)
+            if asks:
+                exchange.headers = self.gw.throttle.peek(asks).headers()
         return caller
 
     def user_of(self, scope: Scope, caller: Caller) -> str | None:
@@ -188,6 +203,27 @@ class Pipeline:
         if exchange is not None and exchange.caller is not None:
             return exchange.caller
         return self.identify(scope, exchange.lane if exchange is not None else None)
+
+    def check_allowed(self, caller: Caller, served: ServedModel) -> None:
+        """T3: a key with a `models` allowlist may use only the models it names, by name
+        or by any alias."""
+        identity = caller.identity
+        if identity is None or not identity.models:
+            return
+        if identity.allows(names_of(served)):
+            return
+        allowed = [
+            s.name for s in self.gw.served if not s.config.unlisted and identity.allows(names_of(s))
+        ]
+        raise ApiError(
+            403,
+            f"The API key '{identity.name}' may not use the model '{served.name}': its "
+            f"models allowlist is {', '.join(identity.models)}. Use one of "
+            f"{', '.join(allowed) or 'none'} (GET /v1/models lists what this key may use), "
+            "or ask the gateway's operator to widen the key's models.",
+            "model_not_allowed",
+            type="permission_error",
+        )
 
     def check_key(self, caller: Caller) -> None:
         if caller.refused is not None:  # T2: refused whatever requireKeys says
@@ -263,7 +299,11 @@ class Pipeline:
                     code="model_not_found",
                 )
             visit.model = served.name
-            await self._admit_and_work(served, flight)
+            asks = asks_of(caller.identity, visit.user) if caller.identity else ()
+            if asks:
+                await self._limited(served, flight, asks)
+            else:  # most callers: no await level of its own on the hot path (app.py)
+                await self._admit_and_work(served, flight)
         except ApiError as exc:
             visit.status, visit.error = exc.status, f"{exc.code}: {exc.message}"
             for name, value in flight.waited.headers().items():
@@ -297,12 +337,38 @@ class Pipeline:
         finally:
             watch.close()
 
+    async def _limited(self, served: ServedModel, flight: _Flight, asks: tuple[Ask, ...]) -> None:
+        """T3: a key's (and its user's) rate limits, held from here until the request is
+        over, whatever ends it; the rest of the way in `_admit_and_work`."""
+        identity = flight.caller.identity
+        assert identity is not None
+        gw, inbound = self.gw, flight.inbound
+        estimate = gw.ledger.costs.estimate_tokens(
+            served.primary.config, inbound.size, inbound.limit
+        )
+        verdict = await gw.throttle.admit(asks, estimate)
+        exchange = CURRENT.get()
+        if not isinstance(verdict, Pass):
+            refused, remaining = verdict
+            if exchange is not None:
+                exchange.headers = remaining.headers()
+            raise rate_limited(identity.name, refused)
+        if exchange is not None:
+            exchange.headers = verdict.remaining.headers()
+        try:
+            await self._admit_and_work(served, flight)
+        finally:
+            metered = flight.visit.metered
+            gw.throttle.release(verdict, metered.tokens if metered is not None else 0)
+
     async def _admit_and_work(self, served: ServedModel, flight: _Flight) -> None:
         gw, caller, visit, inbound = self.gw, flight.caller, flight.visit, flight.inbound
         tiers = served.tiers_for(caller.group, gw.placeable, flight.hop)
-        wait = await gw.ledger.reserve(visit, tiers[0][0].config, inbound.limit)
-        if wait is not None:
-            raise spend_limited(caller.group_name, wait)
+        identity = caller.identity
+        key_limit = identity.spend_limit if identity is not None else None
+        over = await gw.ledger.reserve(visit, tiers[0][0].config, inbound.limit, key_limit)
+        if over is not None:
+            raise spend_limited(over)
         cause: Cause = (visit.key, caller.group_name, served.name)  # who pays a cold start
         admission = gw.admission
         ticket: Ticket | None = None
@@ -501,6 +567,11 @@ SURFACE_MODE = {
     "/v1/audio/translations": "batch",
     "/v1/realtime": "realtime",
 }
+
+
+def names_of(served: ServedModel) -> tuple[str, ...]:
+    """What a model answers to: its name and its aliases (T3's allowlist matches either)."""
+    return (served.name, *served.config.aliases)
 
 
 def modes_of(served: ServedModel) -> list[str]:

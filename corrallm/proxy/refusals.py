@@ -1,9 +1,11 @@
-"""What the pipeline's gates and endings tell a caller (SPEC §6, §8, §19, §21): each
+"""What the pipeline's gates and endings tell a caller (SPEC §6, §8, §19, §21, §22): each
 refusal or interruption as an `ApiError` with its status, code and a message that names
 the cause and what to do."""
 
 from __future__ import annotations
 
+from corrallm.auth.limits import Refused
+from corrallm.cost.ledger import OverSpend
 from corrallm.observe.live import LiveRequest
 from corrallm.proxy.errors import ApiError, unavailable
 from corrallm.routing.router import Route
@@ -45,14 +47,69 @@ def model_paused(model: str) -> ApiError:
     )
 
 
-def spend_limited(group: str, wait: float) -> ApiError:
-    """S6: the lane's spendLimit would be passed; come back when enough spend has aged out."""
-    retry = retry_after_header(wait)
+def usd(amount: float) -> str:
+    """Dollars in a message: cents from a cent up, else two significant digits."""
+    return f"${amount:,.2f}" if amount >= 0.01 or amount == 0 else f"${amount:.2g}"
+
+
+def spend_limited(over: OverSpend) -> ApiError:
+    """S6, T3: a lane's or a key's spendLimit would be passed. Come back when enough spend
+    has aged out of the window; or, when the estimate alone is over the whole limit, ask
+    for fewer tokens: waiting cannot help, so no Retry-After."""
+    whose = f"The API key '{over.lane}'" if over.key else f"Lane '{over.lane}'"
+    if over.wait is None:
+        return ApiError(
+            429,
+            f"{whose} has a spendLimit of {usd(over.limit)} per window: the request's "
+            f"estimated cost {usd(over.estimate)} exceeds the limit {usd(over.limit)}: "
+            "send max_tokens (fewer completion tokens) so that it fits; waiting cannot help.",
+            "spend_limit",
+            type="rate_limit_error",
+        )
+    retry = retry_after_header(over.wait)
     error = ApiError(
         429,
-        f"Lane '{group}' has reached its spendLimit for the window; this request's estimated "
-        f"cost would pass it. Retry after {retry}s, when enough spend has left the window.",
+        f"{whose} has reached its spendLimit ({usd(over.limit)}) for the window; this "
+        f"request's estimated cost {usd(over.estimate)} would pass it. Retry after "
+        f"{retry}s, when enough spend has left the window.",
         "spend_limit",
+        type="rate_limit_error",
+        headers={"retry-after": retry},
+    )
+    error.extra = {"retry_after_seconds": int(retry)}
+    return error
+
+
+def rate_limited(key: str, refused: Refused) -> ApiError:
+    """T3: a key (or a user behind it) is over one of its `limits`: 429 `rate_limited`,
+    with Retry-After unless the request's estimate alone exceeds its tpm."""
+    user = refused.subject.partition("/user:")[2]
+    whose = f"User '{user}' of the API key '{key}'" if user else f"The API key '{key}'"
+    setting = f"limits.{'perUser.' if user else ''}{refused.rule}"
+    limit, used = refused.limit, refused.used
+    if refused.retry_after is None:
+        return ApiError(
+            429,
+            f"{whose} may use {limit} tokens per minute ({setting}): the request's estimated "
+            f"{refused.estimate} tokens exceed the limit {limit}: send a smaller max_tokens "
+            "(or a shorter prompt); waiting cannot help.",
+            "rate_limited",
+            type="rate_limit_error",
+        )
+    retry = retry_after_header(refused.retry_after)
+    if refused.rule == "rpm":
+        why = f"has made {used} requests in the last 60 s, its limit ({setting}: {limit})"
+    elif refused.rule == "tpm":
+        why = (
+            f"has used or reserved {used} of its {limit} tokens per minute ({setting}); this "
+            f"request's estimated {refused.estimate} tokens would pass it"
+        )
+    else:
+        why = f"already holds {used} requests at once, its limit ({setting}: {limit})"
+    error = ApiError(
+        429,
+        f"{whose} {why}. Retry after {retry}s.",
+        "rate_limited",
         type="rate_limit_error",
         headers={"retry-after": retry},
     )

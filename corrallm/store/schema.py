@@ -258,6 +258,24 @@ SCHEMA: Sequence[Sequence[Statement]] = (
             at DOUBLE PRECISION NOT NULL   -- unix seconds
         ){without_rowid}
         """,
+        # T3: per-key rate limits counted across the gateways of a shared store
+        # (store/rates.py): a row per admitted request of a key, or of a user behind it;
+        # its estimated tokens while `reserved`, its metered ones once `used`. Pruned
+        # once out of the 60 s window. An embedded store counts in memory and leaves it
+        # empty.
+        """
+        CREATE TABLE key_rates (
+            id {id},
+            subject TEXT NOT NULL,         -- key:<name> or key:<name>/user:<user>
+            t DOUBLE PRECISION NOT NULL,   -- unix seconds: admitted at (rpm)
+            tokens BIGINT NOT NULL,        -- the estimate while reserved, then the usage
+            state TEXT NOT NULL CHECK (state IN ('reserved', 'used')),
+            used_at DOUBLE PRECISION,      -- settled at (tpm counts the usage from then)
+            gateway TEXT NOT NULL,         -- who wrote it (for the operator)
+            expires DOUBLE PRECISION       -- a reservation no longer counts after this
+        )
+        """,
+        "CREATE INDEX key_rates_subject_t ON key_rates (subject, t)",
     ),
 )
 

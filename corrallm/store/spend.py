@@ -14,27 +14,23 @@ then) or until it `expires` (a gateway killed before settling cannot hold a lane
 Settling and load costs are written off the request path by `SpendLog`, a small batched
 writer that flushes as soon as there is something to write.
 
-An embedded store keeps its windows in memory (cost/spend.py); `recent_costs` rebuilds
-them from the activity rows at boot.
+A lane is a priority group, or a key with a `spendLimit` of its own (SPEC §22 T3): its
+rows' `grp` is then `key:<name>` (group names cannot hold a colon).
+
+An embedded store keeps its windows in memory (cost/spend.py); `recent_costs` and
+`recent_key_costs` rebuild them from the activity rows at boot.
 """
 
 from __future__ import annotations
 
-import asyncio
-import logging
-from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
 from corrallm.store.db import Store
-
-log = logging.getLogger("corrallm.store")
+from corrallm.store.writes import QueuedWrites
 
 # A reservation not settled after this long is no longer counted: longer than any request
 # (its gateway died). Rows of both kinds are pruned once out of their window.
 RESERVATION_SECONDS = 15 * 60.0
-RETRY_SECONDS = 1.0  # SpendLog: a failed flush is tried again after this long
-FLUSH_SECONDS = 5.0  # SpendLog: how long shutdown waits for the last writes
 
 _USED = """
     SELECT COALESCE(SUM(CASE WHEN state = 'spent' THEN usd ELSE 0 END), 0) AS spent,
@@ -123,62 +119,28 @@ async def recent_costs(store: Store, group: str, since: float) -> list[tuple[flo
     return [(r["minute"], r["usd"] or 0.0) for r in rows]
 
 
-class SpendLog:
-    """Settlements and load costs on their way to a shared store: `settle` and `add` only
-    queue (no I/O on the request path); a task started on demand writes the queue in one
-    transaction, and whatever arrived meanwhile in the next. A failed write is kept and
-    tried again (the database may be down: spending reaches it once it is back)."""
+async def recent_key_costs(store: Store, key: str, since: float) -> list[tuple[float, float]]:
+    """`recent_costs` for one key's own window (T3: a key's `spendLimit`)."""
+    dialect = store.dialect
+    rows = await store.query(
+        f"SELECT {dialect.floor_to('t', 60)} AS minute, SUM(cost_usd) AS usd "
+        f"FROM activity {dialect.indexed('activity_key_t')} WHERE key = ? AND t >= ? "
+        "GROUP BY minute ORDER BY minute",
+        (key, since),
+    )
+    return [(r["minute"], r["usd"] or 0.0) for r in rows]
+
+
+class SpendLog(QueuedWrites):
+    """Settlements and load costs on their way to a shared store (`QueuedWrites`: no I/O
+    on the request path, a failed write kept and tried again)."""
 
     def __init__(self, store: Store, gateway: str) -> None:
-        self.store = store
+        super().__init__(store, (_SETTLE, _ADD), "spend")
         self.gateway = gateway
-        self._settled: list[tuple[float, float, int]] = []
-        self._added: list[tuple[str, float, float, str]] = []
-        self._writer: asyncio.Task[None] | None = None
 
     def settle(self, reservation: int, usd: float, now: float) -> None:
-        self._settled.append((usd, now, reservation))
-        self._start()
+        self.queue(_SETTLE, (usd, now, reservation))
 
     def add(self, group: str, usd: float, now: float) -> None:
-        self._added.append((group, now, usd, self.gateway))
-        self._start()
-
-    async def flush(self) -> None:
-        """Write what is queued (at shutdown), waiting FLUSH_SECONDS at most."""
-        if not self.pending and (self._writer is None or self._writer.done()):
-            return
-        self._start()
-        assert self._writer is not None
-        await asyncio.wait({self._writer}, timeout=FLUSH_SECONDS)
-        if not self._writer.done():
-            self._writer.cancel()
-            log.warning("spend: %d settlements not written at shutdown", self.pending)
-
-    @property
-    def pending(self) -> int:
-        return len(self._settled) + len(self._added)
-
-    def _start(self) -> None:
-        if self._writer is None or self._writer.done():
-            self._writer = asyncio.get_running_loop().create_task(self._drain())
-
-    async def _drain(self) -> None:
-        while self.pending:
-            try:
-                await self._write()
-            except Exception as exc:
-                log.warning("spend: writing %d settlements failed: %s; retrying", self.pending, exc)
-                await asyncio.sleep(RETRY_SECONDS)
-
-    async def _write(self) -> None:
-        settled, added = self._settled, self._added
-        if not settled and not added:
-            return
-        self._settled, self._added = [], []
-        batches: list[tuple[str, Sequence[Sequence[Any]]]] = [(_SETTLE, settled), (_ADD, added)]
-        try:
-            await self.store.execute_batches(batches)
-        except BaseException:
-            self._settled[:0], self._added[:0] = settled, added
-            raise
+        self.queue(_ADD, (group, now, usd, self.gateway))

@@ -34,6 +34,7 @@ LATEST = len(SCHEMA)
 TABLES = {
     "api_keys",
     "revoked_keys",
+    "key_rates",
     "pauses",
     "activity",
     "queue_depth",
@@ -549,10 +550,12 @@ models:
 
         first, second, third = visit(), visit(), visit()
         assert await ledger.reserve(first, backend, 40) is None  # $0.04
-        assert first.reservation is not None and first.reserved_usd == pytest.approx(0.04)
+        (hold,) = first.holds
+        assert hold.reservation is not None and hold.usd == pytest.approx(0.04)
         assert await ledger.reserve(second, backend, 40) is None  # $0.08
-        wait = await ledger.reserve(third, backend, 40)  # $0.12 > $0.1
-        assert wait is not None and 3500 < wait <= 3600 and third.reservation is None
+        over = await ledger.reserve(third, backend, 40)  # $0.12 > $0.1
+        assert over is not None and over.wait is not None and 3500 < over.wait <= 3600
+        assert third.holds == ()
         # The database goes away: reservations fall back to this gateway's own window.
         name = postgres_url.rsplit("/", 1)[1]
         import psycopg
@@ -562,7 +565,8 @@ models:
         caplog.set_level(logging.WARNING, "corrallm.cost")
         fallback = visit()
         assert await ledger.reserve(fallback, backend, 40) is None
-        assert fallback.reservation is None and fallback.reserved_usd == pytest.approx(0.04)
+        (hold,) = fallback.holds
+        assert hold.reservation is None and hold.usd == pytest.approx(0.04)
         assert "shared store failed" in caplog.text and "own spending" in caplog.text
     finally:
         await s.close()

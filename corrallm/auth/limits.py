@@ -1,0 +1,293 @@
+"""Per-key rate limits (SPEC §22 T3): requests per minute, tokens per minute and requests
+held at once, for a key and for each user behind it (T4 `limits.perUser`). Pure: the
+clock is passed in, nothing here waits, logs or touches a store.
+
+What is counted is a *subject*: `key:<name>`, or `key:<name>/user:<user>`. Its window
+holds
+- the times of the requests admitted in the last 60 s (rpm),
+- the tokens of the requests settled in the last 60 s, each at the time it settled, plus
+  the estimates of the requests admitted and not settled yet (tpm): a request reserves
+  its estimate when admitted, as for spend limits, and its metered usage replaces it,
+- how many requests it holds now, queued or running (concurrent).
+
+A request asks every subject it belongs to at once (`Ask`s): it is admitted only if each
+has room, and then counted in each. The rules are checked in one order: an estimate that
+alone exceeds a tpm limit (waiting cannot help), then concurrent, rpm, tpm.
+
+The limits themselves are not kept here: each request brings its key's limits in force
+(a reload or a key changed at runtime applies from the next request), and a window is
+dropped once nothing in it counts any more, so idle keys and users cost nothing.
+
+Gateways sharing a PostgreSQL store count rpm and tpm in the database (store/rates.py,
+through auth/throttle.py) with the same rules (`breach`) and the same Retry-After
+(`rpm_retry`, `tpm_retry`); the windows here then count this gateway's own requests,
+its concurrency and its fallback while the database cannot be reached.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable, Sequence
+from contextlib import suppress
+from dataclasses import dataclass, field
+from typing import Literal
+
+from corrallm.config.schema import RateLimits
+
+WINDOW = 60.0  # seconds: what "per minute" means
+CONCURRENT_RETRY = 1.0  # a held request may end any moment: ask again after this long
+
+Rule = Literal["rpm", "tpm", "concurrent"]
+
+
+@dataclass(frozen=True, slots=True)
+class Ask:
+    """One subject a request is counted in, with the limits in force for it."""
+
+    subject: str
+    limits: RateLimits
+
+
+@dataclass(frozen=True, slots=True)
+class Refused:
+    rule: Rule
+    subject: str
+    limit: int
+    used: int  # what counted against the limit: requests in the window, tokens, or held
+    estimate: int  # the request's estimated tokens
+    retry_after: float | None  # seconds; None: the estimate alone exceeds the limit
+
+
+@dataclass(frozen=True, slots=True)
+class Hold:
+    """An admitted request's place in its subjects' windows, until released."""
+
+    subjects: tuple[str, ...]
+    tokens: int  # the estimate it reserved
+    at: float  # when it was admitted
+
+
+@dataclass(frozen=True, slots=True)
+class Remaining:
+    """What the tightest subject has left (the x-ratelimit-* headers); None: no such limit."""
+
+    limit_requests: int | None = None
+    requests: int | None = None
+    limit_tokens: int | None = None
+    tokens: int | None = None
+
+    def headers(self) -> list[tuple[bytes, bytes]]:
+        """OpenAI's header names, for the limits there are."""
+        out: list[tuple[bytes, bytes]] = []
+        if self.limit_requests is not None and self.requests is not None:
+            out.append((b"x-ratelimit-limit-requests", str(self.limit_requests).encode()))
+            out.append((b"x-ratelimit-remaining-requests", str(self.requests).encode()))
+        if self.limit_tokens is not None and self.tokens is not None:
+            out.append((b"x-ratelimit-limit-tokens", str(self.limit_tokens).encode()))
+            out.append((b"x-ratelimit-remaining-tokens", str(self.tokens).encode()))
+        return out
+
+
+@dataclass(frozen=True, slots=True)
+class Counts:
+    """One subject's counts before a request: requests in the window, tokens used in it
+    plus reserved, requests held."""
+
+    requests: int = 0
+    tokens: int = 0
+    held: int = 0
+
+
+def limited(limits: RateLimits | None) -> bool:
+    return limits is not None and (
+        limits.rpm is not None or limits.tpm is not None or limits.concurrent is not None
+    )
+
+
+def breach(
+    limits: RateLimits, counts: Counts, estimate: int, rates: bool = True
+) -> tuple[Rule, int, int] | None:
+    """The first rule one more request of `estimate` tokens would break, with its limit
+    and what already counts against it; None if it fits. `rates=False`: concurrency only
+    (the rates are counted elsewhere, in a shared store)."""
+    if limits.tpm is not None and estimate > limits.tpm:
+        return "tpm", limits.tpm, counts.tokens
+    if limits.concurrent is not None and counts.held >= limits.concurrent:
+        return "concurrent", limits.concurrent, counts.held
+    if not rates:
+        return None
+    if limits.rpm is not None and counts.requests >= limits.rpm:
+        return "rpm", limits.rpm, counts.requests
+    if limits.tpm is not None and counts.tokens + estimate > limits.tpm:
+        return "tpm", limits.tpm, counts.tokens
+    return None
+
+
+def rpm_retry(times: Sequence[float], limit: int, now: float) -> float:
+    """Seconds until one more request fits in a window holding requests admitted at
+    `times` (oldest first): until all but `limit - 1` of them have left it. At least 1."""
+    leaving = len(times) - limit  # this one leaves, and every one before it
+    if leaving < 0:
+        return CONCURRENT_RETRY
+    return max(1.0, times[leaving] + WINDOW - now)
+
+
+def tpm_retry(spent: Iterable[tuple[float, int]], over: int, now: float) -> float:
+    """Seconds until `over` tokens of `spent` ((settled at, tokens), oldest first) have left
+    the window; a whole window when they would not be enough (the rest is reserved by
+    requests still running, whose usage then counts for a minute)."""
+    freed = 0
+    for t, tokens in spent:
+        freed += tokens
+        if freed >= over:
+            return max(1.0, t + WINDOW - now)
+    return WINDOW
+
+
+def tightest(limits: Sequence[tuple[RateLimits, Counts]]) -> Remaining:
+    """What is left, per kind, in the subject that has least of it (counts taken after
+    the request, when it was admitted)."""
+    requests: tuple[int, int] | None = None  # (remaining, limit)
+    tokens: tuple[int, int] | None = None
+    for rules, counts in limits:
+        if rules.rpm is not None:
+            left = (max(0, rules.rpm - counts.requests), rules.rpm)
+            requests = left if requests is None or left < requests else requests
+        if rules.tpm is not None:
+            left = (max(0, rules.tpm - counts.tokens), rules.tpm)
+            tokens = left if tokens is None or left < tokens else tokens
+    return Remaining(
+        requests[1] if requests else None,
+        requests[0] if requests else None,
+        tokens[1] if tokens else None,
+        tokens[0] if tokens else None,
+    )
+
+
+@dataclass(slots=True)
+class Window:
+    """One subject's counts over the last 60 s."""
+
+    requests: deque[float] = field(default_factory=deque)  # admitted at, oldest first
+    spent: deque[tuple[float, int]] = field(default_factory=deque)  # (settled at, tokens)
+    used: int = 0  # the tokens in `spent`
+    reserved: int = 0  # estimates of the requests not settled yet
+    held: int = 0
+
+    def expire(self, now: float) -> None:
+        edge = now - WINDOW
+        requests, spent = self.requests, self.spent
+        while requests and requests[0] <= edge:
+            requests.popleft()
+        while spent and spent[0][0] <= edge:
+            self.used -= spent.popleft()[1]
+
+    def counts(self) -> Counts:
+        return Counts(len(self.requests), self.used + self.reserved, self.held)
+
+    @property
+    def idle(self) -> bool:
+        return not (self.requests or self.spent or self.reserved or self.held)
+
+
+class Limiter:
+    """Every subject's window."""
+
+    def __init__(self) -> None:
+        self._windows: dict[str, Window] = {}
+
+    def __len__(self) -> int:
+        return len(self._windows)
+
+    def counts(self, subject: str, now: float) -> Counts:
+        window = self._windows.get(subject)
+        if window is None:
+            return Counts()
+        window.expire(now)
+        if window.idle:
+            del self._windows[subject]
+        return window.counts()
+
+    def judge(
+        self, asks: Sequence[Ask], estimate: int, now: float, rates: bool = True
+    ) -> Refused | None:
+        """Whether a request of `estimate` tokens fits every subject it asks; nothing is
+        counted (`take` does). `rates=False`: concurrency (and a hopeless estimate) only."""
+        for ask in asks:
+            counts = self.counts(ask.subject, now)
+            broken = breach(ask.limits, counts, estimate, rates)
+            if broken is not None:
+                rule, limit, used = broken
+                return Refused(
+                    rule,
+                    ask.subject,
+                    limit,
+                    used,
+                    estimate,
+                    self._retry(ask, rule, limit, estimate, now),
+                )
+        return None
+
+    def take(self, asks: Sequence[Ask], estimate: int, now: float) -> Hold:
+        """Count the request in every subject it asks (whether or not it fits)."""
+        for ask in asks:
+            window = self._windows.get(ask.subject)
+            if window is None:
+                window = self._windows[ask.subject] = Window()
+            window.requests.append(now)
+            window.reserved += estimate
+            window.held += 1
+        return Hold(tuple(a.subject for a in asks), estimate, now)
+
+    def admit(self, asks: Sequence[Ask], estimate: int, now: float) -> Hold | Refused:
+        refused = self.judge(asks, estimate, now)
+        return refused if refused is not None else self.take(asks, estimate, now)
+
+    def release(self, hold: Hold, used: int, now: float) -> None:
+        """The request is over: its metered tokens replace its estimate, its place is free."""
+        for subject in hold.subjects:
+            window = self._windows.get(subject)
+            if window is None:
+                continue
+            window.held = max(0, window.held - 1)
+            window.reserved = max(0, window.reserved - hold.tokens)
+            if used > 0:
+                window.spent.append((now, used))
+                window.used += used
+            self._tidy(subject, window, now)
+
+    def cancel(self, hold: Hold, now: float) -> None:
+        """Undo `take`: the request was not admitted after all (a shared store refused it)."""
+        for subject in hold.subjects:
+            window = self._windows.get(subject)
+            if window is None:
+                continue
+            window.held = max(0, window.held - 1)
+            window.reserved = max(0, window.reserved - hold.tokens)
+            with suppress(ValueError):  # else already out of the window
+                window.requests.remove(hold.at)
+            self._tidy(subject, window, now)
+
+    def remaining(self, asks: Sequence[Ask], now: float) -> Remaining:
+        return tightest([(a.limits, self.counts(a.subject, now)) for a in asks])
+
+    def sweep(self, now: float) -> None:
+        """Drop every window nothing counts in any more (subjects that stopped asking)."""
+        for subject, window in list(self._windows.items()):
+            self._tidy(subject, window, now)
+
+    def _tidy(self, subject: str, window: Window, now: float) -> None:
+        window.expire(now)
+        if window.idle:
+            self._windows.pop(subject, None)
+
+    def _retry(self, ask: Ask, rule: Rule, limit: int, estimate: int, now: float) -> float | None:
+        window = self._windows.get(ask.subject)
+        if rule == "concurrent":
+            return CONCURRENT_RETRY
+        if rule == "rpm":
+            return rpm_retry(window.requests if window else (), limit, now)
+        if estimate > limit:
+            return None
+        counts = window.counts() if window else Counts()
+        return tpm_retry(window.spent if window else (), counts.tokens + estimate - limit, now)
