@@ -11,6 +11,7 @@ from typing import Any
 
 import httpx
 import openai
+import pytest
 
 from tests.support.observe import request_rows
 from tests.support.processes import Gateway, fake_cmd, wait_for
@@ -196,3 +197,29 @@ def test_T4_without_auth_user_header_no_user_is_read(gateway_factory):
     assert (row["key"], row["user"]) == ("webui", None)
     assert by_user(gw) == []
     assert gw.api("GET", f"captures/{rid}").json()["user"] is None
+
+
+def test_T4_T3_per_user_limits_count_each_user_behind_a_key_apart(gateway_factory):
+    """`limits.perUser`: each user a trusted key names has its own rpm; the key's own
+    limit still counts them all."""
+    gw = gateway_factory(
+        config().replace(
+            "trustUserHeader: true}",
+            "trustUserHeader: true, limits: {rpm: 5, perUser: {rpm: 2}}}",
+        )
+    )
+    for _ in range(2):
+        chat(gw, WEBUI, "ann@example.com")
+    with pytest.raises(openai.RateLimitError) as ann:
+        client(gw, WEBUI, "ann@example.com").chat.completions.create(
+            model="chat", messages=MESSAGES
+        )
+    assert ann.value.code == "rate_limited" and "perUser" in ann.value.message
+    for _ in range(2):  # another user of the same key is not held back by ann
+        chat(gw, WEBUI, "bob@example.com")
+    chat(gw, WEBUI, "cy@example.com")  # the key's fifth request
+    with pytest.raises(openai.RateLimitError) as key:  # the key's own rpm: 5 in all
+        client(gw, WEBUI, "dee@example.com").chat.completions.create(
+            model="chat", messages=MESSAGES
+        )
+    assert key.value.code == "rate_limited" and "perUser" not in key.value.message
