@@ -28,16 +28,15 @@ from corrallm.peers import lanes
 from corrallm.proxy import anthropic, audio, inference, realtime, reservations, responses
 from corrallm.proxy.asgi import (
     ASGIApp,
-    BodyTooLarge,
     ClientGone,
     Message,
     Receive,
     Scope,
     Send,
     header,
-    read_body,
     send_bytes,
 )
+from corrallm.proxy.bodies import Bodies, BodyLimits
 from corrallm.proxy.errors import ApiError, internal, not_found
 from corrallm.proxy.models import ModelCatalog
 from corrallm.proxy.pipeline import Pipeline
@@ -81,14 +80,22 @@ METRICS_CONTENT_TYPE = CONTENT_TYPE.encode()
 
 
 class CorrallmApp:
-    def __init__(self, gateway: Gateway, admin_token: str, web_root: Path | None = None) -> None:
+    def __init__(
+        self,
+        gateway: Gateway,
+        admin_token: str,
+        web_root: Path | None = None,
+        body_limits: BodyLimits | None = None,
+    ) -> None:
         self.gateway = gateway
         self.pipeline = Pipeline(gateway)
         self._admin_token = admin_token
         self.models = ModelCatalog(self.pipeline)
         self._apis: dict[str, ASGIApp] = {}
         self._building = asyncio.Lock()
-        self.dashboard = Dashboard(gateway, admin_token, web_root)
+        # T5: every body read whole goes through this one reader (idle timeout, memory).
+        self.bodies = Bodies(body_limits)
+        self.dashboard = Dashboard(gateway, admin_token, web_root, self.bodies)
 
     # The hot path's coroutines are few on purpose (SPEC §13): every level of `await`
     # between the server and the upstream read is walked again each time the request
@@ -123,6 +130,7 @@ class CorrallmApp:
         self._hop(scope, exchange)
         token = CURRENT.set(exchange)
         out = _answering(send, exchange)
+        body = b""
         try:
             _require(scope["method"], surface.method, path)
             exchange.caller = self.pipeline.identify(scope, exchange.lane)
@@ -132,6 +140,9 @@ class CorrallmApp:
         except Exception as exc:
             await self._failed(exc, surface.errors, out, scope, exchange.id)
         finally:
+            # The pipeline is done with the body (it may have been forwarded again after
+            # a reload or a preemption until now): its bytes no longer count (T5).
+            self.bodies.release(len(body))
             CURRENT.reset(token)
             if exchange.capture is not None:
                 self.gateway.captures.close(exchange)
@@ -254,22 +265,16 @@ class CorrallmApp:
     async def _with_body(
         self, handler: Handler, scope: Scope, receive: Receive, send: Send
     ) -> None:
-        await handler(self.pipeline, scope, receive, send, await self._body(scope, receive))
-
-    async def _body(self, scope: Scope, receive: Receive) -> bytes:
-        limit = self.gateway.config.max_body_size
-        declared = header(scope, b"content-length")
+        body = await self._body(scope, receive)
         try:
-            if declared is not None and int(declared) > limit:
-                raise BodyTooLarge
-            return await read_body(receive, limit)
-        except BodyTooLarge:
-            raise ApiError(
-                413,
-                f"The request body is larger than maxBodySize ({limit} bytes). "
-                "Send a smaller body or raise maxBodySize in the config.",
-                code="body_too_large",
-            ) from None
+            await handler(self.pipeline, scope, receive, send, body)
+        finally:
+            self.bodies.release(len(body))
+
+    def _body(self, scope: Scope, receive: Receive) -> Awaitable[bytes]:
+        """The whole body (T5: under the idle timeout and the memory bound); the caller
+        gives its bytes back with `bodies.release` once the request is over."""
+        return self.bodies.read(scope, receive, self.gateway.config.max_body_size, "maxBodySize")
 
     async def _lifespan(self, receive: Receive, send: Send) -> None:
         while True:

@@ -12,9 +12,11 @@ import uvicorn
 from corrallm.api.auth import ensure_token
 from corrallm.app import CorrallmApp
 from corrallm.config import Config
+from corrallm.config.units import format_size
 from corrallm.connection import protocol_class
 from corrallm.gateway import Gateway
 from corrallm.head_guard import HeadGuard, HeadLimits, fds_free, raise_fd_limit
+from corrallm.proxy.bodies import BodyLimits
 
 # Open streams get this long to finish on SIGTERM/SIGINT before they are cut and every
 # backend is stopped.
@@ -48,6 +50,7 @@ def run(config: Config, options: ServeOptions) -> None:
     fd_limit = raise_fd_limit()
     try:
         limits = HeadLimits.from_env(os.environ, fds_free(fd_limit))
+        bodies = BodyLimits.from_env(os.environ)
     except ValueError as exc:
         raise SystemExit(f"corrallm serve: {exc}") from None
     options.home.mkdir(parents=True, exist_ok=True)
@@ -78,9 +81,14 @@ def run(config: Config, options: ServeOptions) -> None:
         limits.max_pending,
         fd_limit,
     )
+    logging.getLogger("corrallm.http").info(
+        "request bodies: %gs body timeout, %s held at most across requests",
+        bodies.timeout,
+        format_size(bodies.max_memory),
+    )
     server = uvicorn.Server(
         uvicorn.Config(
-            CorrallmApp(gateway, token, options.web_root),
+            CorrallmApp(gateway, token, options.web_root, bodies),
             host=host,
             port=port,
             loop="uvloop",
