@@ -16,6 +16,7 @@ from corrallm.config.units import format_size
 from corrallm.connection import protocol_class
 from corrallm.gateway import Gateway
 from corrallm.head_guard import HeadGuard, HeadLimits, fds_free, raise_fd_limit
+from corrallm.home import secure_home
 from corrallm.proxy.bodies import BodyLimits
 
 # Open streams get this long to finish on SIGTERM/SIGINT before they are cut and every
@@ -53,7 +54,7 @@ def run(config: Config, options: ServeOptions) -> None:
         bodies = BodyLimits.from_env(os.environ)
     except ValueError as exc:
         raise SystemExit(f"corrallm serve: {exc}") from None
-    options.home.mkdir(parents=True, exist_ok=True)
+    secure_home(options.home)  # T5: 0700, tightened if it was not
     gateway = Gateway(
         config,
         options.home,

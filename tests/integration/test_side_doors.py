@@ -5,11 +5,15 @@ backend's `env` values."""
 
 from __future__ import annotations
 
+import contextlib
+import os
+import stat
 from collections.abc import Callable
+from pathlib import Path
 
 import httpx
 
-from tests.support.processes import FakeBackend, Gateway
+from tests.support.processes import FakeBackend, Gateway, fake_cmd, wait_for
 
 KEY = "sk-doors-key-0001"
 
@@ -61,3 +65,52 @@ def test_T5_a_body_repeating_a_key_is_refused_naming_it_and_reaches_no_backend(
         timeout=10,
     )
     assert ok.status_code == 200, ok.text
+
+
+def modes_under(home: Path) -> dict[str, int]:
+    """Every folder and file under `home` (itself included), by path, with its mode."""
+    found = {".": stat.S_IMODE(home.stat().st_mode)}
+    for path in home.rglob("*"):
+        with contextlib.suppress(FileNotFoundError):  # a PID record's .tmp, renamed
+            found[str(path.relative_to(home))] = stat.S_IMODE(path.lstat().st_mode)
+    return found
+
+
+def test_T5_corrallm_keeps_its_home_0700_and_every_file_it_writes_0600(
+    gateway_factory: Callable[..., Gateway], tmp_path: Path
+) -> None:
+    # A home made by hand, readable by everyone, with an admin token of an old version.
+    home = tmp_path / "home"
+    home.mkdir(mode=0o755)
+    os.chmod(home, 0o755)
+    (home / "admin.token").write_text("an-older-admin-token-0001\n")
+    os.chmod(home / "admin.token", 0o644)
+    old = os.umask(0o022)  # what most shells have: new files 0644, unless made private
+    try:
+        gw = gateway_factory(
+            f'models: {{m: {{backends: [{{cmd: "{fake_cmd()}", proxy: "${{PORT}}"}}]}}}}\n',
+            home=home,
+        )
+    finally:
+        os.umask(old)
+    # A request that starts the backend (its log, its PID record) and writes a row (the
+    # store, with its -wal and -shm).
+    r = httpx.post(
+        gw.v1 + "/chat/completions",
+        json={"model": "m", "messages": [{"role": "user", "content": "hi"}]},
+        timeout=60,
+    )
+    assert r.status_code == 200, r.text
+    wait_for(lambda: gw.api("GET", "activity?limit=5").json()["rows"], 10, what="a row")
+    found = modes_under(home)
+    for expected in ("admin.token", "corrallm.db", "corrallm.db-wal", "corrallm.db-shm"):
+        assert expected in found, sorted(found)
+    assert any(p.startswith("logs/") and p.endswith(".log") for p in found), sorted(found)
+    assert any(p.startswith("run/") and p.endswith(".json") for p in found), sorted(found)
+    loose = {
+        path: f"{mode:04o}"
+        for path, mode in found.items()
+        if mode != (0o700 if (home / path).is_dir() else 0o600)
+    }
+    assert loose == {}, loose
+    assert "was mode 0755 (readable by others): tightened to 0700" in gw.log()
