@@ -14,6 +14,7 @@ from corrallm.app import CorrallmApp
 from corrallm.config import Config
 from corrallm.config.units import format_size
 from corrallm.connection import protocol_class
+from corrallm.events import buffer_from_env
 from corrallm.gateway import Gateway
 from corrallm.head_guard import HeadGuard, HeadLimits, fds_free, raise_fd_limit
 from corrallm.home import secure_home
@@ -52,6 +53,7 @@ def run(config: Config, options: ServeOptions) -> None:
     try:
         limits = HeadLimits.from_env(os.environ, fds_free(fd_limit))
         bodies = BodyLimits.from_env(os.environ)
+        event_buffer = buffer_from_env(os.environ)
     except ValueError as exc:
         raise SystemExit(f"corrallm serve: {exc}") from None
     secure_home(options.home)  # T5: 0700, tightened if it was not
@@ -64,6 +66,7 @@ def run(config: Config, options: ServeOptions) -> None:
         options.activity_retention,
         options.config_path,
     )
+    gateway.events.limit = event_buffer  # T5: bytes queued per events subscriber
     token = ensure_token(options.home)
     source = options.config_path or "the packaged demo config"
     logging.getLogger("corrallm").info(
@@ -83,9 +86,11 @@ def run(config: Config, options: ServeOptions) -> None:
         fd_limit,
     )
     logging.getLogger("corrallm.http").info(
-        "request bodies: %gs body timeout, %s held at most across requests",
+        "request bodies: %gs body timeout, %s held at most across requests; "
+        "events: %s queued at most per subscriber",
         bodies.timeout,
         format_size(bodies.max_memory),
+        format_size(event_buffer),
     )
     server = uvicorn.Server(
         uvicorn.Config(
