@@ -76,6 +76,12 @@ SURFACES: dict[str, Surface] = {
     "/v1/responses": Surface("POST", responses.serve),
 }
 _HEALTH = orjson.dumps({"status": "ok"})
+# What a refused lane signature is, in the 401's words (T5).
+LANE_REFUSALS = {
+    "bad_signature": "not a valid signature of this request",
+    "stale": "more than 30 s away from this node's clock",
+    "replayed": "a replay: its nonce was used already",
+}
 METRICS_CONTENT_TYPE = CONTENT_TYPE.encode()
 
 
@@ -95,6 +101,7 @@ class CorrallmApp:
         self._building = asyncio.Lock()
         # T5: every body read whole goes through this one reader (idle timeout, memory).
         self.bodies = Bodies(body_limits)
+        self.nonces = lanes.Nonces()  # T5: the lane signatures' nonces seen lately
         self.dashboard = Dashboard(gateway, admin_token, web_root, self.bodies)
 
     # The hot path's coroutines are few on purpose (SPEC §13): every level of `await`
@@ -127,11 +134,11 @@ class CorrallmApp:
             return
         # A request through the pipeline: its id on every answer, its exchange captured.
         exchange = Exchange(new_request_id())
-        self._hop(scope, exchange)
         token = CURRENT.set(exchange)
         out = _answering(send, exchange)
         body = b""
         try:
+            self._hop(scope, exchange)
             _require(scope["method"], surface.method, path)
             exchange.caller = self.pipeline.identify(scope, exchange.lane)
             body = await self._body(scope, receive)
@@ -149,18 +156,35 @@ class CorrallmApp:
 
     def _hop(self, scope: Scope, exchange: Exchange) -> None:
         """X3: a request another gateway forwarded carries its caller's lane, signed with
-        this node's admin token; trusted only if the signature checks out and is fresh."""
+        this node's admin token for this very request (method, path, a nonce used once);
+        trusted only if the signature checks out and is fresh. T5: under requireKeys a
+        replayed, stale or badly signed lane is refused; otherwise it is ignored."""
         lane, signature = header(scope, lanes.LANE), header(scope, lanes.SIGNATURE)
         if lane is None and signature is None:
             return
         exchange.hop = True
-        verdict = lanes.verify(self._admin_token, lane, signature, time.time())
+        raw: bytes = scope.get("raw_path") or scope["path"].encode("latin-1")
+        path = raw.decode("latin-1")
+        verdict = lanes.verify(
+            self._admin_token, lane, signature, scope["method"], path, time.time(), self.nonces
+        )
         if verdict == "signed":
             assert lane is not None
             exchange.lane = lane.decode()
-        else:
-            self.gateway.metrics.lanes_ignored[verdict] += 1
-            log.warning("request=%s lane header ignored: %s", exchange.id, verdict)
+            return
+        self.gateway.metrics.lanes_ignored[verdict] += 1
+        if verdict != "unsigned" and self.gateway.config.scheduler.require_keys:
+            log.warning("request=%s lane refused: %s", exchange.id, verdict)
+            raise ApiError(
+                401,
+                f"The X-Corrallm-Lane-Signature of this request is {LANE_REFUSALS[verdict]}; "
+                "this gateway serves only configured keys and correctly signed lanes "
+                "(scheduler.requireKeys). A peer must sign each request afresh with this "
+                "node's admin token (peers.<name>.token) and a clock within 30 s of it.",
+                "invalid_lane_signature",
+                type="authentication_error",
+            )
+        log.warning("request=%s lane header ignored: %s", exchange.id, verdict)
 
     async def _answer(
         self,

@@ -169,14 +169,15 @@ def serve_parsed(
         else:
             data = upstream_body(body, payload, route, force=strip_usage)
         meter = admitted.live.meter = Meter(strip_usage)
+        url = upstream_url(route.endpoint.base_url, path)
         try:
             return await forward(
                 pipeline.upstream,
                 scope,
                 out,
-                upstream_url(route.endpoint.base_url, path),
+                url,
                 data,
-                admitted.upstream_headers(scope["headers"]),
+                admitted.upstream_headers(scope["headers"], url, scope["method"]),
                 extra,
                 watch,
                 route.id,

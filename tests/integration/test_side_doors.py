@@ -8,11 +8,13 @@ from __future__ import annotations
 import contextlib
 import os
 import stat
+import time
 from collections.abc import Callable
 from pathlib import Path
 
 import httpx
 
+from corrallm.peers import lanes
 from tests.support.processes import FakeBackend, Gateway, fake_cmd, wait_for
 
 KEY = "sk-doors-key-0001"
@@ -114,3 +116,44 @@ def test_T5_corrallm_keeps_its_home_0700_and_every_file_it_writes_0600(
     }
     assert loose == {}, loose
     assert "was mode 0755 (readable by others): tightened to 0700" in gw.log()
+
+
+def test_T5_under_require_keys_a_replayed_stale_or_badly_signed_lane_is_401(
+    gateway_factory: Callable[..., Gateway], fake_backend: FakeBackend
+) -> None:
+    gw = gateway_factory(
+        "priorityGroups: {gold: {weight: 2}}\n"
+        "scheduler: {requireKeys: true}\n"
+        f"keys: {{{KEY}: gold}}\n"
+        f"models: {{m: {{backends: [{{proxy: {fake_backend.port}}}]}}}}\n"
+    )
+    chat = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+
+    def send(lane: dict[str, str], key: str | None = None) -> httpx.Response:
+        headers = {**lane, **({"Authorization": f"Bearer {key}"} if key else {})}
+        return httpx.post(gw.v1 + "/chat/completions", json=chat, headers=headers, timeout=10)
+
+    def lane(
+        now: float | None = None, token: str | None = None, path: str = "/v1/chat/completions"
+    ) -> dict[str, str]:
+        return lanes.sign(token or gw.token, "gold", "POST", path, now or time.time())
+
+    good = lane()
+    assert send(good).status_code == 200  # a peer's lane, signed for this request: served
+    refused = {
+        "replayed": send(good),
+        "stale": send(lane(time.time() - 40)),
+        "from the future": send(lane(time.time() + 40)),
+        "another token": send(lane(token="not-the-admin-token")),
+        "another path": send(lane(path="/v1/embeddings")),
+        "with a good key too": send(lane(token="x"), KEY),
+    }
+    for why, r in refused.items():
+        assert r.status_code == 401, (why, r.text)
+        error = r.json()["error"]
+        assert error["code"] == "invalid_lane_signature", (why, error)
+        assert "X-Corrallm-Lane-Signature" in error["message"], (why, error)
+    assert "a replay" in refused["replayed"].json()["error"]["message"]
+    # A lane header alone is no signature at all: the key decides, as without a hop.
+    assert send({"X-Corrallm-Lane": "gold"}, KEY).status_code == 200
+    assert send({"X-Corrallm-Lane": "gold"}).status_code == 401
