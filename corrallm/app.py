@@ -96,6 +96,7 @@ class CorrallmApp:
         self.gateway = gateway
         self.pipeline = Pipeline(gateway)
         self._admin_token = admin_token
+        gateway.captures.also_redact(admin_token)  # T5: never shown in a capture or the log
         self.models = ModelCatalog(self.pipeline)
         self._apis: dict[str, ASGIApp] = {}
         self._building = asyncio.Lock()

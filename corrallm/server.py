@@ -18,6 +18,7 @@ from corrallm.events import buffer_from_env
 from corrallm.gateway import Gateway
 from corrallm.head_guard import HeadGuard, HeadLimits, fds_free, raise_fd_limit
 from corrallm.home import secure_home
+from corrallm.observe.redaction import Redactor, install
 from corrallm.proxy.bodies import BodyLimits
 
 # Open streams get this long to finish on SIGTERM/SIGINT before they are cut and every
@@ -92,27 +93,28 @@ def run(config: Config, options: ServeOptions) -> None:
         format_size(bodies.max_memory),
         format_size(event_buffer),
     )
-    server = uvicorn.Server(
-        uvicorn.Config(
-            CorrallmApp(gateway, token, options.web_root, bodies),
-            host=host,
-            port=port,
-            loop="uvloop",
-            # uvicorn's httptools protocol with a header timeout, a head size limit and a
-            # cap on connections still sending their head (corrallm/head_guard.py), a
-            # disconnect hook and a leaner response writer (corrallm/connection.py).
-            http=protocol_class(HeadGuard(limits)),
-            lifespan="on",
-            # Said, not guessed: `CorrallmApp.__call__` is a plain function returning the
-            # request's coroutine (one `await` level fewer), which uvicorn's guess would
-            # take for ASGI 2.
-            interface="asgi3",
-            access_log=False,
-            # corrallm never reads the client's address: no X-Forwarded-* rewriting
-            # middleware on every request.
-            proxy_headers=False,
-            log_level="info",
-            timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_SECONDS,
-        )
+    uvicorn_config = uvicorn.Config(
+        CorrallmApp(gateway, token, options.web_root, bodies),
+        host=host,
+        port=port,
+        loop="uvloop",
+        # uvicorn's httptools protocol with a header timeout, a head size limit and a
+        # cap on connections still sending their head (corrallm/head_guard.py), a
+        # disconnect hook and a leaner response writer (corrallm/connection.py).
+        http=protocol_class(HeadGuard(limits)),
+        lifespan="on",
+        # Said, not guessed: `CorrallmApp.__call__` is a plain function returning the
+        # request's coroutine (one `await` level fewer), which uvicorn's guess would
+        # take for ASGI 2.
+        interface="asgi3",
+        access_log=False,
+        # corrallm never reads the client's address: no X-Forwarded-* rewriting
+        # middleware on every request.
+        proxy_headers=False,
+        log_level="info",
+        timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_SECONDS,
     )
-    server.run()
+    # T5: uvicorn's Config has set up its loggers; from here on, every handler of the
+    # gateway's log replaces the admin token, peer tokens and env values as it writes.
+    install(Redactor(lambda: gateway.captures.secrets.texts))
+    uvicorn.Server(uvicorn_config).run()

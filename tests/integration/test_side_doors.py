@@ -157,3 +157,57 @@ def test_T5_under_require_keys_a_replayed_stale_or_badly_signed_lane_is_401(
     # A lane header alone is no signature at all: the key decides, as without a hop.
     assert send({"X-Corrallm-Lane": "gold"}, KEY).status_code == 200
     assert send({"X-Corrallm-Lane": "gold"}).status_code == 401
+
+
+ADMIN_TOKEN = "admin-token-for-redaction-0001"
+PEER_TOKEN = "peer-token-for-redaction-0002"
+ENV_VALUE = "env-value-for-redaction-0003"
+SECRETS = (ADMIN_TOKEN, PEER_TOKEN, ENV_VALUE)
+
+
+def test_T5_captures_and_the_log_never_show_the_admin_token_peer_tokens_or_env_values(
+    gateway_factory: Callable[..., Gateway], fake_backend: FakeBackend, tmp_path: Path
+) -> None:
+    home = tmp_path / "home"
+    home.mkdir()
+    (home / "admin.token").write_text(ADMIN_TOKEN + "\n")
+    # A backend that prints all three and fails its start: the preload's failure, with
+    # the last lines of its log, is what the gateway logs.
+    leaky = f"echo leaked $API_SECRET {PEER_TOKEN} {ADMIN_TOKEN}; exit 3"
+    gw = gateway_factory(
+        f"""
+capture: {{bodies: all}}
+peers:
+  far: {{url: "http://127.0.0.1:9", token: {PEER_TOKEN}}}
+models:
+  m:
+    backends: [{{proxy: {fake_backend.port}}}]
+  leaky:
+    persistent: true
+    backends:
+      - cmd: "sh -c '{leaky}'"
+        proxy: ${{PORT}}
+        env: {{API_SECRET: {ENV_VALUE}}}
+""",
+        home=home,
+    )
+    assert gw.token == ADMIN_TOKEN
+    # A caller that sends them all in its body, in a header, and asks for more.
+    content = " and ".join(SECRETS)
+    r = httpx.post(
+        gw.v1 + "/chat/completions",
+        json={"model": "m", "messages": [{"role": "user", "content": content}]},
+        headers={"X-Note": PEER_TOKEN},
+        timeout=30,
+    )
+    assert r.status_code == 200, r.text
+    request_id = r.headers["x-corrallm-request-id"]
+    record = gw.api("GET", f"captures/{request_id}").json()
+    shown = str(record)
+    assert "[redacted]" in record["request"]
+    assert not [s for s in SECRETS if s in shown], shown
+    # The log: the backend's lines quoted in the preload's failure, redacted.
+    wait_for(lambda: "preload of leaky failed" in gw.log(), 30, what="the preload failure logged")
+    log = gw.log()
+    assert "leaked [redacted] [redacted] [redacted]" in log, log[-2000:]
+    assert not [s for s in SECRETS if s in log]
