@@ -28,16 +28,15 @@ from corrallm.peers import lanes
 from corrallm.proxy import anthropic, audio, inference, realtime, reservations, responses
 from corrallm.proxy.asgi import (
     ASGIApp,
-    BodyTooLarge,
     ClientGone,
     Message,
     Receive,
     Scope,
     Send,
     header,
-    read_body,
     send_bytes,
 )
+from corrallm.proxy.bodies import Bodies, BodyLimits
 from corrallm.proxy.errors import ApiError, internal, not_found
 from corrallm.proxy.models import ModelCatalog
 from corrallm.proxy.pipeline import Pipeline
@@ -77,18 +76,34 @@ SURFACES: dict[str, Surface] = {
     "/v1/responses": Surface("POST", responses.serve),
 }
 _HEALTH = orjson.dumps({"status": "ok"})
+# What a refused lane signature is, in the 401's words (T5).
+LANE_REFUSALS = {
+    "bad_signature": "not a valid signature of this request",
+    "stale": "more than 30 s away from this node's clock",
+    "replayed": "a replay: its nonce was used already",
+}
 METRICS_CONTENT_TYPE = CONTENT_TYPE.encode()
 
 
 class CorrallmApp:
-    def __init__(self, gateway: Gateway, admin_token: str, web_root: Path | None = None) -> None:
+    def __init__(
+        self,
+        gateway: Gateway,
+        admin_token: str,
+        web_root: Path | None = None,
+        body_limits: BodyLimits | None = None,
+    ) -> None:
         self.gateway = gateway
         self.pipeline = Pipeline(gateway)
         self._admin_token = admin_token
+        gateway.captures.also_redact(admin_token)  # T5: never shown in a capture or the log
         self.models = ModelCatalog(self.pipeline)
         self._apis: dict[str, ASGIApp] = {}
         self._building = asyncio.Lock()
-        self.dashboard = Dashboard(gateway, admin_token, web_root)
+        # T5: every body read whole goes through this one reader (idle timeout, memory).
+        self.bodies = Bodies(body_limits)
+        self.nonces = lanes.Nonces()  # T5: the lane signatures' nonces seen lately
+        self.dashboard = Dashboard(gateway, admin_token, web_root, self.bodies)
 
     # The hot path's coroutines are few on purpose (SPEC §13): every level of `await`
     # between the server and the upstream read is walked again each time the request
@@ -120,10 +135,11 @@ class CorrallmApp:
             return
         # A request through the pipeline: its id on every answer, its exchange captured.
         exchange = Exchange(new_request_id())
-        self._hop(scope, exchange)
         token = CURRENT.set(exchange)
         out = _answering(send, exchange)
+        body = b""
         try:
+            self._hop(scope, exchange)
             _require(scope["method"], surface.method, path)
             exchange.caller = self.pipeline.identify(scope, exchange.lane)
             body = await self._body(scope, receive)
@@ -132,24 +148,44 @@ class CorrallmApp:
         except Exception as exc:
             await self._failed(exc, surface.errors, out, scope, exchange.id)
         finally:
+            # The pipeline is done with the body (it may have been forwarded again after
+            # a reload or a preemption until now): its bytes no longer count (T5).
+            self.bodies.release(len(body))
             CURRENT.reset(token)
             if exchange.capture is not None:
                 self.gateway.captures.close(exchange)
 
     def _hop(self, scope: Scope, exchange: Exchange) -> None:
         """X3: a request another gateway forwarded carries its caller's lane, signed with
-        this node's admin token; trusted only if the signature checks out and is fresh."""
+        this node's admin token for this very request (method, path, a nonce used once);
+        trusted only if the signature checks out and is fresh. T5: under requireKeys a
+        replayed, stale or badly signed lane is refused; otherwise it is ignored."""
         lane, signature = header(scope, lanes.LANE), header(scope, lanes.SIGNATURE)
         if lane is None and signature is None:
             return
         exchange.hop = True
-        verdict = lanes.verify(self._admin_token, lane, signature, time.time())
+        raw: bytes = scope.get("raw_path") or scope["path"].encode("latin-1")
+        path = raw.decode("latin-1")
+        verdict = lanes.verify(
+            self._admin_token, lane, signature, scope["method"], path, time.time(), self.nonces
+        )
         if verdict == "signed":
             assert lane is not None
             exchange.lane = lane.decode()
-        else:
-            self.gateway.metrics.lanes_ignored[verdict] += 1
-            log.warning("request=%s lane header ignored: %s", exchange.id, verdict)
+            return
+        self.gateway.metrics.lanes_ignored[verdict] += 1
+        if verdict != "unsigned" and self.gateway.config.scheduler.require_keys:
+            log.warning("request=%s lane refused: %s", exchange.id, verdict)
+            raise ApiError(
+                401,
+                f"The X-Corrallm-Lane-Signature of this request is {LANE_REFUSALS[verdict]}; "
+                "this gateway serves only configured keys and correctly signed lanes "
+                "(scheduler.requireKeys). A peer must sign each request afresh with this "
+                "node's admin token (peers.<name>.token) and a clock within 30 s of it.",
+                "invalid_lane_signature",
+                type="authentication_error",
+            )
+        log.warning("request=%s lane header ignored: %s", exchange.id, verdict)
 
     async def _answer(
         self,
@@ -254,22 +290,16 @@ class CorrallmApp:
     async def _with_body(
         self, handler: Handler, scope: Scope, receive: Receive, send: Send
     ) -> None:
-        await handler(self.pipeline, scope, receive, send, await self._body(scope, receive))
-
-    async def _body(self, scope: Scope, receive: Receive) -> bytes:
-        limit = self.gateway.config.max_body_size
-        declared = header(scope, b"content-length")
+        body = await self._body(scope, receive)
         try:
-            if declared is not None and int(declared) > limit:
-                raise BodyTooLarge
-            return await read_body(receive, limit)
-        except BodyTooLarge:
-            raise ApiError(
-                413,
-                f"The request body is larger than maxBodySize ({limit} bytes). "
-                "Send a smaller body or raise maxBodySize in the config.",
-                code="body_too_large",
-            ) from None
+            await handler(self.pipeline, scope, receive, send, body)
+        finally:
+            self.bodies.release(len(body))
+
+    def _body(self, scope: Scope, receive: Receive) -> Awaitable[bytes]:
+        """The whole body (T5: under the idle timeout and the memory bound); the caller
+        gives its bytes back with `bodies.release` once the request is over."""
+        return self.bodies.read(scope, receive, self.gateway.config.max_body_size, "maxBodySize")
 
     async def _lifespan(self, receive: Receive, send: Send) -> None:
         while True:

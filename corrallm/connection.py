@@ -106,6 +106,11 @@ class LeanCycle(RequestResponseCycle):
 
         return unwatch
 
+    def body_ready(self) -> bool:
+        """Whether `receive()` would answer at once: body bytes or the body's end are
+        buffered (uvicorn sets the event for either), or the client is gone."""
+        return self.message_event.is_set() or self.disconnected or self.response_complete
+
     # -- the writing -----------------------------------------------------------------
 
     def _body(self, body: bytes, more_body: bool) -> None:

@@ -1,9 +1,13 @@
 """The live event stream (SPEC §10 P4): lifecycle transitions, admission load, queue depth,
 usage, log lines and reservation changes, fanned out to SSE subscribers.
 
-Publishing never waits: each subscriber has a bounded buffer, and when a slow consumer
-falls behind its oldest events are dropped and counted (the count is sent to it), so a
-stalled dashboard can never slow the gateway.
+Publishing never waits, and a subscriber that cannot keep up never grows corrallm's
+memory past a bound (SPEC §22 T5): the serialized events queued inside corrallm for one
+subscriber are at most `limit` bytes (`CORRALLM_EVENT_BUFFER_MB`, 8 MB by default, read
+once at startup). A subscriber that falls further behind has its queue freed at once,
+is sent a last `event: overflow`, and its stream ends (an `EventSource` reconnects by
+itself after `retry`; a following gateway reconnects and reads the overview again).
+A bound in bytes rather than in events: one log line may be 64 kB.
 """
 
 from __future__ import annotations
@@ -12,34 +16,65 @@ import asyncio
 import itertools
 import time
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import orjson
 
-BUFFER = 1000  # events kept per subscriber
+DEFAULT_BUFFER_MB = 8.0
 HEARTBEAT_SECONDS = 15.0
+
+
+def buffer_from_env(env: Mapping[str, str]) -> int:
+    """Bytes a subscriber may have queued, from `CORRALLM_EVENT_BUFFER_MB` (MB = 10^6
+    bytes, as everywhere in corrallm); ValueError naming the variable when it is bad."""
+    text = env.get("CORRALLM_EVENT_BUFFER_MB", "").strip()
+    if not text:
+        return int(DEFAULT_BUFFER_MB * 10**6)
+    try:
+        mb = float(text)
+    except ValueError:
+        mb = 0.0
+    if not 0 < mb < float("inf"):
+        raise ValueError(f"CORRALLM_EVENT_BUFFER_MB must be a positive number of MB, got {text!r}")
+    return max(1, int(mb * 10**6))
 
 
 @dataclass(eq=False)  # identity: each subscription is its own
 class Subscription:
+    limit: int  # bytes it may have queued
     kinds: frozenset[str] | None = None  # None: every kind
-    buffer: deque[bytes] = field(default_factory=lambda: deque(maxlen=BUFFER))
-    dropped: int = 0
+    buffer: deque[bytes] = field(default_factory=deque)
+    queued: int = 0  # bytes in `buffer`
+    overflowed: int = 0  # when it fell behind: the bytes it would have had queued
     wake: asyncio.Event = field(default_factory=asyncio.Event)
 
-    def offer(self, kind: str, frame: bytes) -> None:
+    def offer(self, kind: str, frame: bytes) -> bool:
+        """Queue `frame` if of a wanted kind; False when that would pass the limit: the
+        queue is freed and the subscription ends (`overflowed`)."""
         if self.kinds is not None and kind not in self.kinds:
-            return
-        if len(self.buffer) == self.buffer.maxlen:
-            self.dropped += 1  # deque drops the oldest itself
+            return True
+        queued = self.queued + len(frame)
+        if queued > self.limit:
+            self.buffer.clear()
+            self.queued, self.overflowed = 0, queued
+            self.wake.set()
+            return False
         self.buffer.append(frame)
+        self.queued = queued
         self.wake.set()
+        return True
+
+    def take(self) -> bytes:
+        frame = self.buffer.popleft()
+        self.queued -= len(frame)
+        return frame
 
 
 class EventBus:
-    def __init__(self) -> None:
+    def __init__(self, limit: int = int(DEFAULT_BUFFER_MB * 10**6)) -> None:
+        self.limit = limit  # per subscriber, in bytes (`corrallm serve` sets it from env)
         self._subscribers: set[Subscription] = set()
         self._ids = itertools.count(1)
 
@@ -56,30 +91,32 @@ class EventBus:
             + orjson.dumps(payload)
             + b"\n\n"
         )
-        for sub in self._subscribers:
-            sub.offer(kind, frame)
+        behind = [sub for sub in self._subscribers if not sub.offer(kind, frame)]
+        for sub in behind:  # T5: no more events for it; its stream ends with `overflow`
+            self._subscribers.discard(sub)
 
     async def stream(
         self, kinds: frozenset[str] | None = None, heartbeat: float = HEARTBEAT_SECONDS
     ) -> AsyncIterator[bytes]:
-        """SSE frames for one subscriber, with heartbeats, until the consumer goes away."""
-        sub = Subscription(kinds)
+        """SSE frames for one subscriber, with heartbeats, until the consumer goes away
+        or falls more than `limit` bytes behind (then a last `overflow` event)."""
+        sub = Subscription(self.limit, kinds)
         self._subscribers.add(sub)
         try:
             yield b"retry: 2000\n: connected\n\n"
             while True:
-                if not sub.buffer:
+                if not sub.buffer and not sub.overflowed:
                     sub.wake.clear()
                     try:
                         await asyncio.wait_for(sub.wake.wait(), heartbeat)
                     except TimeoutError:
                         yield b": heartbeat\n\n"
                         continue
-                if sub.dropped:
-                    note = orjson.dumps({"t": time.time(), "dropped": sub.dropped})
-                    sub.dropped = 0
-                    yield b"event: dropped\ndata: " + note + b"\n\n"
-                while sub.buffer:
-                    yield sub.buffer.popleft()
+                if sub.overflowed:
+                    note = {"t": time.time(), "queued_bytes": sub.overflowed, "limit": sub.limit}
+                    yield b"event: overflow\ndata: " + orjson.dumps(note) + b"\n\n"
+                    return
+                while sub.buffer and not sub.overflowed:
+                    yield sub.take()
         finally:
             self._subscribers.discard(sub)

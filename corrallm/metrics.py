@@ -69,7 +69,7 @@ class Metrics:
         self.sleeps: Counter[str] = Counter()  # W1: real sleeps (asleep, not stopped)
         self.wakes: Counter[str] = Counter()
         self.wake_seconds: defaultdict[str, float] = defaultdict(float)
-        self.lanes_ignored: Counter[str] = Counter()  # X3: by why (unsigned, bad, stale)
+        self.lanes_ignored: Counter[str] = Counter()  # X3, T5: by why (unsigned, bad, ...)
         self.latency = Latency()
         self._registry = CollectorRegistry(auto_describe=False)
         self._registry.register(self)
@@ -214,7 +214,8 @@ class Metrics:
         yield peers
         yield _counter(
             "corrallm_peer_lanes_ignored",
-            "X-Corrallm-Lane headers not trusted, by reason: unsigned, bad_signature, stale",
+            "X-Corrallm-Lane headers not trusted (ignored, or refused under requireKeys), "
+            "by reason: unsigned, bad_signature, stale, replayed",
             ["reason"],
             self.lanes_ignored,
         )

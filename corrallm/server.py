@@ -12,9 +12,14 @@ import uvicorn
 from corrallm.api.auth import ensure_token
 from corrallm.app import CorrallmApp
 from corrallm.config import Config
+from corrallm.config.units import format_size
 from corrallm.connection import protocol_class
+from corrallm.events import buffer_from_env
 from corrallm.gateway import Gateway
 from corrallm.head_guard import HeadGuard, HeadLimits, fds_free, raise_fd_limit
+from corrallm.home import secure_home
+from corrallm.observe.redaction import Redactor, install
+from corrallm.proxy.bodies import BodyLimits
 
 # Open streams get this long to finish on SIGTERM/SIGINT before they are cut and every
 # backend is stopped.
@@ -48,9 +53,11 @@ def run(config: Config, options: ServeOptions) -> None:
     fd_limit = raise_fd_limit()
     try:
         limits = HeadLimits.from_env(os.environ, fds_free(fd_limit))
+        bodies = BodyLimits.from_env(os.environ)
+        event_buffer = buffer_from_env(os.environ)
     except ValueError as exc:
         raise SystemExit(f"corrallm serve: {exc}") from None
-    options.home.mkdir(parents=True, exist_ok=True)
+    secure_home(options.home)  # T5: 0700, tightened if it was not
     gateway = Gateway(
         config,
         options.home,
@@ -60,6 +67,7 @@ def run(config: Config, options: ServeOptions) -> None:
         options.activity_retention,
         options.config_path,
     )
+    gateway.events.limit = event_buffer  # T5: bytes queued per events subscriber
     token = ensure_token(options.home)
     source = options.config_path or "the packaged demo config"
     logging.getLogger("corrallm").info(
@@ -78,27 +86,35 @@ def run(config: Config, options: ServeOptions) -> None:
         limits.max_pending,
         fd_limit,
     )
-    server = uvicorn.Server(
-        uvicorn.Config(
-            CorrallmApp(gateway, token, options.web_root),
-            host=host,
-            port=port,
-            loop="uvloop",
-            # uvicorn's httptools protocol with a header timeout, a head size limit and a
-            # cap on connections still sending their head (corrallm/head_guard.py), a
-            # disconnect hook and a leaner response writer (corrallm/connection.py).
-            http=protocol_class(HeadGuard(limits)),
-            lifespan="on",
-            # Said, not guessed: `CorrallmApp.__call__` is a plain function returning the
-            # request's coroutine (one `await` level fewer), which uvicorn's guess would
-            # take for ASGI 2.
-            interface="asgi3",
-            access_log=False,
-            # corrallm never reads the client's address: no X-Forwarded-* rewriting
-            # middleware on every request.
-            proxy_headers=False,
-            log_level="info",
-            timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_SECONDS,
-        )
+    logging.getLogger("corrallm.http").info(
+        "request bodies: %gs body timeout, %s held at most across requests; "
+        "events: %s queued at most per subscriber",
+        bodies.timeout,
+        format_size(bodies.max_memory),
+        format_size(event_buffer),
     )
-    server.run()
+    uvicorn_config = uvicorn.Config(
+        CorrallmApp(gateway, token, options.web_root, bodies),
+        host=host,
+        port=port,
+        loop="uvloop",
+        # uvicorn's httptools protocol with a header timeout, a head size limit and a
+        # cap on connections still sending their head (corrallm/head_guard.py), a
+        # disconnect hook and a leaner response writer (corrallm/connection.py).
+        http=protocol_class(HeadGuard(limits)),
+        lifespan="on",
+        # Said, not guessed: `CorrallmApp.__call__` is a plain function returning the
+        # request's coroutine (one `await` level fewer), which uvicorn's guess would
+        # take for ASGI 2.
+        interface="asgi3",
+        access_log=False,
+        # corrallm never reads the client's address: no X-Forwarded-* rewriting
+        # middleware on every request.
+        proxy_headers=False,
+        log_level="info",
+        timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_SECONDS,
+    )
+    # T5: uvicorn's Config has set up its loggers; from here on, every handler of the
+    # gateway's log replaces the admin token, peer tokens and env values as it writes.
+    install(Redactor(lambda: gateway.captures.secrets.texts))
+    uvicorn.Server(uvicorn_config).run()

@@ -15,6 +15,7 @@ import secrets
 from http.cookies import SimpleCookie
 from pathlib import Path
 
+from corrallm.home import private_folder
 from corrallm.proxy.asgi import Scope, header
 
 TOKEN_FILE = "admin.token"
@@ -25,7 +26,7 @@ def ensure_token(home: Path) -> str:
     """The admin token, created with mode 0600 on first run."""
     path = home / TOKEN_FILE
     if not path.exists():
-        home.mkdir(parents=True, exist_ok=True)
+        private_folder(home)
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         with os.fdopen(fd, "w") as out:
             out.write(secrets.token_urlsafe(32) + "\n")

@@ -28,6 +28,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TextIO
 
+from corrallm.home import open_private
+
 _N_CTX = re.compile(r"\bn_ctx\s*[=:]\s*(\d+)")
 _N_CTX_SLOT = re.compile(r"\bn_ctx_slot\s*[=:]\s*(\d+)")
 _N_SLOTS = re.compile(r"\bn_slots\s*[=:]\s*(\d+)")
@@ -68,8 +70,8 @@ class LogBuffer:
     def open(self) -> None:
         """Open the file for our own lines and start following it from its current end."""
         if self._path is not None and self._file is None:
-            self._path.parent.mkdir(parents=True, exist_ok=True)
-            self._file = self._path.open("a", buffering=1, encoding="utf-8")
+            fd = open_private(self._path, os.O_WRONLY | os.O_APPEND)  # T5: 0600
+            self._file = os.fdopen(fd, "a", buffering=1, encoding="utf-8")
             if self._reader is None:
                 self._reader = os.open(self._path, os.O_RDONLY | os.O_CLOEXEC)
                 self._offset = os.fstat(self._reader).st_size

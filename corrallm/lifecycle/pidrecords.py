@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import re
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from corrallm.home import open_private
 from corrallm.lifecycle.process import create_time
 
 
@@ -46,9 +48,10 @@ class PidRecords:
         return self.folder / f"{file_name(backend)}.json"
 
     def write(self, record: PidRecord) -> None:
-        self.folder.mkdir(parents=True, exist_ok=True)
         tmp = self.path(record.backend).with_suffix(".tmp")
-        tmp.write_text(json.dumps(asdict(record)))
+        fd = open_private(tmp, os.O_WRONLY | os.O_TRUNC)  # T5: 0600, in a 0700 folder
+        with os.fdopen(fd, "w") as out:
+            out.write(json.dumps(asdict(record)))
         tmp.replace(self.path(record.backend))
 
     def read(self, backend: str) -> PidRecord | None:

@@ -30,6 +30,8 @@ from typing import Protocol
 
 import psutil
 
+from corrallm.home import open_private
+
 
 def program_argv(cmd: str) -> list[str]:
     """Split `cmd` like a shell (no shell runs it); `corrallm` means this very installation."""
@@ -156,8 +158,7 @@ class ProcessGroups:
 
 async def spawn(argv: list[str], env: Mapping[str, str], cwd: str | None, output: Path) -> Spawned:
     """Start `argv` in a new session, its stdout and stderr appended to the file `output`."""
-    output.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(output, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    fd = open_private(output, os.O_WRONLY | os.O_APPEND)  # T5: 0600, in a 0700 folder
     try:
         proc = await asyncio.create_subprocess_exec(
             *argv,

@@ -19,7 +19,7 @@ import hashlib
 import logging
 import re
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -27,7 +27,7 @@ from corrallm.observe.context import Exchange
 from corrallm.observe.ring import Record, Ring
 
 if TYPE_CHECKING:
-    from corrallm.config.schema import Config
+    from corrallm.config.schema import Config, ProcessSpec
     from corrallm.cost.ledger import Visit
 
 log = logging.getLogger("corrallm.observe")
@@ -82,20 +82,30 @@ class Capture:
 class Secrets:
     """What is redacted, gathered once per config: header names never shown, and the
     values looked for in bodies and other headers: the backends' configured header values
-    (and their credentials) and the configured caller keys."""
+    (and their credentials), every backend's and extension's `env` values, every peer's
+    token and the gateway's own secrets (`own`: the admin token). Key secrets are known
+    only by digest: `key_secrets` finds them. `texts` are the same values as text, for
+    the gateway's log (observe/redaction.py)."""
 
     names: frozenset[str]
     values: tuple[bytes, ...]
+    texts: tuple[str, ...] = ()
 
     @classmethod
-    def of(cls, config: Config) -> Secrets:
+    def of(cls, config: Config, own: Iterable[str] = ()) -> Secrets:
         names, values = set(SECRET_HEADERS), set()
-        for model in config.models.values():
-            for backend in model.backends:
-                for name, value in backend.headers.items():
-                    names.add(name.lower())
-                    values.update(credentials(value.encode()))
-        return cls(frozenset(names), _longest_first(values))
+        specs: list[ProcessSpec] = [b for m in config.models.values() for b in m.backends]
+        specs.extend(config.extensions.values())
+        for spec in specs:
+            for name, value in getattr(spec, "headers", {}).items():
+                names.add(name.lower())
+                values.update(credentials(value.encode()))
+            # T5: a backend's env holds its API keys as often as its headers do
+            values.update(value.encode() for value in spec.env.values())
+        values.update(peer.token.encode() for peer in config.peers.values())
+        values.update(secret.encode() for secret in own)
+        kept = _longest_first(values)
+        return cls(frozenset(names), kept, tuple(v.decode("utf-8", "replace") for v in kept))
 
     def for_request(self, headers: Sequence[tuple[bytes, bytes]]) -> tuple[bytes, ...]:
         """The configured values and this request's own credentials (its key, cookies)."""
@@ -249,14 +259,22 @@ class Captures:
     def __init__(self, config: Config, keys: KeyDigests | None = None) -> None:
         self.keys = keys  # T1: key secrets in bodies are redacted by their digest
         self.ring = Ring(bound_of(config.capture.buffer_mb))
+        self._own: tuple[str, ...] = ()
         self.reconfigure(config)
 
     def reconfigure(self, config: Config) -> None:
         """The mode, the bound (a smaller one trims at once) and the secrets of `config`.
         `none` also forgets what was kept."""
+        self._config = config
         self.bodies = config.capture.bodies
         self.ring.resize(bound_of(config.capture.buffer_mb) if self.bodies != "none" else 0)
-        self.secrets = Secrets.of(config)
+        self.secrets = Secrets.of(config, self._own)
+
+    def also_redact(self, *own: str) -> None:
+        """T5: the gateway's own secrets (the admin token), redacted like the config's,
+        in captures and in the log, across reloads."""
+        self._own = own
+        self.secrets = Secrets.of(self._config, own)
 
     def open(self, request_id: str, scope: Mapping[str, Any], body: bytes) -> Capture | None:
         if self.bodies == "none":

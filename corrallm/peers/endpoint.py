@@ -83,9 +83,10 @@ class PeerEndpoint:
         if remote is not None:
             remote.since_report += change
 
-    def hop_headers(self, group: str) -> dict[str, str]:
-        """X3: the caller's lane, signed with the peer's token (never the caller's key)."""
-        return lanes.sign(self.token, group, time.time())
+    def hop_headers(self, group: str, method: str, path: str) -> dict[str, str]:
+        """X3: the caller's lane, signed with the peer's token (never the caller's key)
+        for this one request: its method and path, and a fresh nonce (T5)."""
+        return lanes.sign(self.token, group, method, path, time.time())
 
     def rank(self) -> tuple[int, float]:
         """X2: ready with a free slot first, then the shortest expected wait."""

@@ -47,7 +47,13 @@ class Follower:
         while True:
             began = time.monotonic()
             try:
-                await self._follow()
+                if await self._follow():
+                    # T5: the node closed the stream because this gateway fell behind
+                    # reading it; the peer is up: follow it again at once.
+                    name = self.view.name
+                    log.warning("peer=%s events stream overflowed: following it again", name)
+                    backoff = BACKOFF_FIRST
+                    continue
                 error = "its events stream ended"
             except asyncio.CancelledError:
                 raise
@@ -59,7 +65,9 @@ class Follower:
             await asyncio.sleep(backoff)
             backoff = min(backoff * 2, BACKOFF_MAX)
 
-    async def _follow(self) -> None:
+    async def _follow(self) -> bool:
+        """Follow the node's events until the stream ends; True if it ended because
+        this gateway fell too far behind (`overflow`)."""
         url = f"{self.view.url}/api/v1/events"
         params = {"kinds": KINDS, "heartbeat": f"{self.timeout / 3:.3f}"}
         timeout = aiohttp.ClientTimeout(
@@ -79,11 +87,14 @@ class Follower:
                 elif line.startswith(b"data:"):
                     data = line[5:].strip()
                 elif not line and kind:
-                    stale = kind == "dropped" or not self.view.apply_event(kind, orjson.loads(data))
+                    if kind == "overflow":
+                        return True
+                    stale = not self.view.apply_event(kind, orjson.loads(data))
                     if stale or time.monotonic() - refreshed > REFRESH:
                         await self._read_overview()
                         refreshed = time.monotonic()
                     kind, data = "", b""
+        return False
 
     async def _read_overview(self) -> None:
         url = f"{self.view.url}/api/v1/overview"

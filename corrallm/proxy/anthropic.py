@@ -120,7 +120,7 @@ async def serve(
                 out,
                 url,
                 data,
-                admitted.upstream_headers(scope["headers"]),
+                admitted.upstream_headers(scope["headers"], url),
                 meter,
                 watch,
                 stream,

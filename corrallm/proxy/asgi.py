@@ -37,30 +37,14 @@ class Connection(BodyWriter, Protocol):
         """Call `gone` when the client goes away; returns what stops watching."""
         ...
 
-
-class BodyTooLarge(Exception):
-    pass
+    def body_ready(self) -> bool:
+        """Whether `receive()` would answer at once (body bytes, its end, or a
+        disconnect are there): a body read needs no timer then."""
+        ...
 
 
 class ClientGone(Exception):
     pass
-
-
-async def read_body(receive: Receive, limit: int) -> bytes:
-    chunks: list[bytes] = []
-    size = 0
-    while True:
-        message = await receive()
-        if message["type"] == "http.disconnect":
-            raise ClientGone
-        chunk: bytes = message.get("body", b"")
-        if chunk:
-            size += len(chunk)
-            if size > limit:
-                raise BodyTooLarge
-            chunks.append(chunk)
-        if not message.get("more_body", False):
-            return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
 
 def header(scope: Scope, name: bytes) -> bytes | None:

@@ -17,6 +17,7 @@ from typing import Any
 import orjson
 
 from corrallm.lifecycle.addresses import origin, upstream_url
+from corrallm.proxy import jsonbody
 from corrallm.proxy.asgi import Receive, Scope, Send
 from corrallm.proxy.errors import ApiError, bad_request, not_found
 from corrallm.proxy.feedback import SSEFeedback
@@ -40,12 +41,9 @@ UPLOAD_PATHS = frozenset({"/v1/audio/transcriptions", "/v1/audio/translations"})
 
 
 def parse_request(body: bytes) -> tuple[dict[str, Any], str]:
-    try:
-        payload = orjson.loads(body)
-    except orjson.JSONDecodeError as exc:
-        raise bad_request(
-            f"The request body is not valid JSON ({exc}). Send a JSON object."
-        ) from None
+    """The JSON object of a /v1 body (a key repeated is refused: jsonbody.py) and its
+    model."""
+    payload = jsonbody.parse(body)
     if not isinstance(payload, dict):
         raise bad_request("The request body must be a JSON object with a 'model' field.")
     model = payload.get("model")
@@ -171,14 +169,15 @@ def serve_parsed(
         else:
             data = upstream_body(body, payload, route, force=strip_usage)
         meter = admitted.live.meter = Meter(strip_usage)
+        url = upstream_url(route.endpoint.base_url, path)
         try:
             return await forward(
                 pipeline.upstream,
                 scope,
                 out,
-                upstream_url(route.endpoint.base_url, path),
+                url,
                 data,
-                admitted.upstream_headers(scope["headers"]),
+                admitted.upstream_headers(scope["headers"], url, scope["method"]),
                 extra,
                 watch,
                 route.id,

@@ -24,6 +24,7 @@ import asyncio
 import time
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
+from urllib.parse import urlsplit
 
 import aiohttp
 
@@ -95,13 +96,17 @@ class Admitted:
     def route(self) -> Route:
         return self.ticket.route
 
-    def upstream_headers(self, raw: Iterable[tuple[bytes, bytes]]) -> Headers:
+    def upstream_headers(
+        self, raw: Iterable[tuple[bytes, bytes]], url: str, method: str = "POST"
+    ) -> Headers:
         """The request's headers for its backend: the caller's identity left out, the
-        backend's own `headers` added, and across a hop the caller's lane, signed (X3)."""
+        backend's own `headers` added, and across a hop the caller's lane, signed (X3)
+        for this one request (`method` to `url`: T5)."""
         route = self.route
         extra = route.config.headers
         if isinstance(route.endpoint, PeerEndpoint):
-            extra = {**extra, **route.endpoint.hop_headers(self.caller.group_name)}
+            lane = route.endpoint.hop_headers(self.caller.group_name, method, urlsplit(url).path)
+            extra = {**extra, **lane}
         return request_headers(raw, extra)
 
 

@@ -12,6 +12,7 @@ import orjson
 
 from corrallm.config.units import parse_duration, rfc3339
 from corrallm.gateway import Caller, Gateway
+from corrallm.proxy import jsonbody
 from corrallm.proxy.asgi import Receive, Scope, Send, send_bytes
 from corrallm.proxy.errors import ApiError, bad_request, not_found
 from corrallm.proxy.pipeline import Inbound, Pipeline
@@ -74,10 +75,7 @@ async def handle(
 
 
 def _reserve(pipeline: Pipeline, caller: Caller, body: bytes) -> dict[str, Any]:
-    try:
-        payload = orjson.loads(body or b"{}")
-    except orjson.JSONDecodeError:
-        raise bad_request('The body must be JSON: {"model", "slots"?, "ttl"?}.') from None
+    payload = jsonbody.parse(body or b"{}")  # a key repeated is refused (T5)
     if not isinstance(payload, dict) or not isinstance(payload.get("model"), str):
         raise bad_request("Missing 'model': which model's slots to reserve.", param="model")
     # The pipeline's gates before a lane may hold slots: lookup, pause, keys.

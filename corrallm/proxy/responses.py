@@ -88,13 +88,13 @@ async def serve(
         extra.extend(admitted.waited.raw())
         if visit.degraded:
             extra.append((b"x-corrallm-degraded", b"true"))
-        headers = admitted.upstream_headers(scope["headers"])
         idle = pipeline.gw.config.upstream_idle(route.config)
         meter = admitted.live.meter = Meter()
         try:
             if native(route):
                 data = native_body(body, dict(payload), route)
                 url = upstream_url(route.endpoint.base_url, path)
+                headers = admitted.upstream_headers(scope["headers"], url)
                 if not stream:
                     return await forward(
                         pipeline.upstream,
@@ -119,6 +119,7 @@ async def serve(
             request = dict(chat)  # renamed and clamped per backend, afresh on each try
             data = upstream_body(b"", request, route, force=True)
             url = upstream_url(route.endpoint.base_url, CHAT_PATH)
+            headers = admitted.upstream_headers(scope["headers"], url)
             translator = StreamTranslator(echo) if stream else None
             relay = _Relay(pipeline, admitted, out, watch, meter, translator)
             under_way[:] = [relay]

@@ -17,12 +17,14 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import os
 import sqlite3
 from collections.abc import AsyncGenerator, Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
+from corrallm.home import make_private, open_private
 from corrallm.store.dialect import SQLITE, Dialect
 from corrallm.store.schema import migrations
 
@@ -140,11 +142,16 @@ class Store:
         return self._db
 
     def _open(self) -> None:
-        self.file.parent.mkdir(parents=True, exist_ok=True)
+        # T5: the file is made 0600 before SQLite opens it; SQLite gives its -wal and
+        # -shm files the database file's mode, and ones left by an older version are
+        # tightened below.
+        os.close(open_private(self.file, os.O_RDWR))
         db = sqlite3.connect(self.file, check_same_thread=False, isolation_level=None)
         db.row_factory = sqlite3.Row
         db.create_function("sha256_hex", 1, _sha256_hex, deterministic=True)
         db.execute("PRAGMA journal_mode=WAL")
+        for suffix in ("-wal", "-shm"):
+            make_private(self.file.with_name(self.file.name + suffix))
         db.execute("PRAGMA synchronous=NORMAL")
         db.execute("PRAGMA busy_timeout=5000")
         current = db.execute("PRAGMA user_version").fetchone()[0]

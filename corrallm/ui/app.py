@@ -20,7 +20,8 @@ import jinja2
 from corrallm import __version__
 from corrallm.api.auth import COOKIE, authorized, canonical
 from corrallm.gateway import Gateway
-from corrallm.proxy.asgi import Receive, Scope, Send, read_body, send_bytes
+from corrallm.proxy.asgi import Receive, Scope, Send, send_bytes
+from corrallm.proxy.bodies import Bodies
 from corrallm.proxy.errors import ApiError
 from corrallm.ui import views
 from corrallm.ui.money import money
@@ -45,11 +46,19 @@ def is_dashboard_path(path: str) -> bool:
 
 
 class Dashboard:
-    def __init__(self, gateway: Gateway, admin_token: str, web_root: Path | None = None) -> None:
+    def __init__(
+        self,
+        gateway: Gateway,
+        admin_token: str,
+        web_root: Path | None = None,
+        bodies: Bodies | None = None,
+    ) -> None:
         """`web_root` (`--web-root`): a folder with `templates/` and `static/` whose files
-        are served instead of the packaged ones of the same name."""
+        are served instead of the packaged ones of the same name. `bodies`: the app's one
+        reader of request bodies (T5), for the sign-in form."""
         self.gw = gateway
         self._token = admin_token
+        self._bodies = bodies or Bodies()
         folders = [HERE] if web_root is None else [web_root, HERE]
         self.env = jinja2.Environment(
             loader=jinja2.FileSystemLoader([str(f / "templates") for f in folders]),
@@ -81,7 +90,17 @@ class Dashboard:
             else:
                 await self._page(send, 200, "signin.html", error=None)
         elif path == "/signout":
-            await send_bytes(send, 303, b"", HTML, {"location": "/signin", **_cookie("", 0)})
+            # T5: POST only, so that a link or an image elsewhere cannot sign anyone out.
+            if method == "POST":
+                await send_bytes(send, 303, b"", HTML, {"location": "/signin", **_cookie("", 0)})
+            else:
+                await send_bytes(
+                    send,
+                    405,
+                    b"Sign out with POST /signout (the dashboard's Sign out button).",
+                    b"text/plain",
+                    {"allow": "POST"},
+                )
         elif not authorized(scope, self._token):
             if path == "/":
                 await send_bytes(send, 303, b"", HTML, {"location": "/signin"})
@@ -96,8 +115,11 @@ class Dashboard:
             await self._page(send, 404, "signin.html", error="No such page.")
 
     async def _signin(self, scope: Scope, receive: Receive, send: Send) -> None:
-        body = await read_body(receive, SIGNIN_LIMIT)
-        given = dict(parse_qsl(body.decode("utf-8", "replace"))).get("token", "").strip()
+        body = await self._bodies.read(scope, receive, SIGNIN_LIMIT, "the sign-in form's limit")
+        try:
+            given = dict(parse_qsl(body.decode("utf-8", "replace"))).get("token", "").strip()
+        finally:
+            self._bodies.release(len(body))
         if not hmac.compare_digest(given.encode(), self._token.encode()):
             await self._page(
                 send,

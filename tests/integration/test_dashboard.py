@@ -99,6 +99,21 @@ def test_P3_a_wrong_token_says_so_and_sets_nothing(gw):
     assert httpx.get(gw.url + "/ui/section/../api/v1/lanes", timeout=10).status_code in (401, 404)
 
 
+def test_T5_signout_is_post_only_and_the_page_signs_out_with_a_form(gw, signed_in):
+    client = signed_in(gw)
+    # A link or an image on another page (a GET) signs nobody out.
+    lured = client.get("/signout")
+    assert lured.status_code == 405 and lured.headers["allow"] == "POST"
+    assert "set-cookie" not in lured.headers
+    assert client.get("/").status_code == 200  # still signed in
+    # The page's Sign out control is a form that posts.
+    assert '<form method="post" action="/signout">' in client.get("/").text
+    out = client.post("/signout")
+    assert out.status_code == 303 and out.headers["location"] == "/signin"
+    assert "Max-Age=0" in out.headers["set-cookie"]
+    assert client.get("/").status_code == 303  # signed out
+
+
 def test_D1_page_is_self_contained_and_serves_its_own_assets(gw, signed_in):
     client = signed_in(gw)
     page = client.get("/")

@@ -557,7 +557,7 @@ def test_X3_the_caller_key_never_leaves_the_gateway(cluster: Cluster) -> None:
         raw = client.chat.completions.with_raw_response.create(model="f", messages=hi())
     assert served_by(raw) == ["f#0", "f@b"]
     own = row_of(g, raw.headers["x-corrallm-request-id"])
-    assert (own["key"], own["group"]) == (short_key_name("gold-key"), "gold")
+    assert (own["key"], own["group"]) == (short_key_name("gold-key"), "gold")  # T1: its name
     # The node's capture of what arrived: its lane, signed; no key in any form.
     captured = b.api("GET", "captures?model=f&limit=1").json()["captures"][0]
     record = b.api("GET", f"captures/{captured['request_id']}").json()
@@ -586,32 +586,49 @@ def rows_of(gw: Gateway, request_ids: list[str]) -> list[dict[str, Any]]:
     return wait_for(find, 10, what="activity rows")
 
 
-def test_X3_unsigned_forged_and_stale_lanes_fall_into_the_default_group(cluster: Cluster) -> None:
+def chat_lane(token: str, group: str, now: float) -> dict[str, str]:
+    """The lane headers a gateway signs for one chat request to a node (T5)."""
+    return lanes.sign(token, group, "POST", "/v1/chat/completions", now)
+
+
+def test_X3_unsigned_forged_stale_and_replayed_lanes_fall_into_the_default_group(
+    cluster: Cluster,
+) -> None:
     b = cluster.node("b")
-    reasons = ("unsigned", "bad_signature", "stale")
+    reasons = ("unsigned", "bad_signature", "stale", "replayed")
     before = {r: metric(b, "corrallm_peer_lanes_ignored_total", reason=r) for r in reasons}
     now = time.time()
-    good = lanes.sign(b.token, "gold", now)
-    forged = lanes.sign("not-the-token", "gold", now)
-    tampered = {**lanes.sign(b.token, "lead", now), "X-Corrallm-Lane": "gold"}
+    good = chat_lane(b.token, "gold", now)
+    forged = chat_lane("not-the-token", "gold", now)
+    tampered = {**chat_lane(b.token, "lead", now), "X-Corrallm-Lane": "gold"}
+    elsewhere = {**lanes.sign(b.token, "gold", "POST", "/v1/embeddings", now)}
+    replayed = chat_lane(b.token, "gold", now)
+    assert rows_of(b, [_direct(b, replayed)])[0]["group"] == "gold"  # its first use
     cases = {
         "unsigned": [
             {"X-Corrallm-Lane": "gold"},
             {"X-Corrallm-Lane-Signature": good["X-Corrallm-Lane-Signature"]},
         ],
-        "bad_signature": [forged, tampered, {**good, "X-Corrallm-Lane-Signature": "t=1,v1=zz"}],
+        "bad_signature": [
+            forged,
+            tampered,
+            elsewhere,  # signed for another path
+            {**good, "X-Corrallm-Lane-Signature": "t=1,n=nonce-123,v1=zz"},
+        ],
         # replayed after the window, and signed by a clock running ahead
-        "stale": [lanes.sign(b.token, "gold", now - 61), lanes.sign(b.token, "gold", now + 90)],
+        "stale": [chat_lane(b.token, "gold", now - 31), chat_lane(b.token, "gold", now + 90)],
+        "replayed": [replayed],  # within the window, its nonce used already
     }
     sent = [(reason, headers) for reason, all_ in cases.items() for headers in all_]
     ignored = rows_of(b, [_direct(b, headers) for _, headers in sent])
     for (reason, headers), row in zip(sent, ignored, strict=True):
+        # `_direct` sends the key "none", not configured on the node: `unknown` (T1)
         assert (row["group"], row["key"], row["status"]) == ("default", "unknown", 200), (
             reason,
             headers,
         )
     # Correctly signed and fresh (to the window's edge): honoured, and not counted.
-    honoured = [good, lanes.sign(b.token, "lead", time.time() - 50)]
+    honoured = [good, chat_lane(b.token, "lead", time.time() - 25)]
     rows = rows_of(b, [_direct(b, headers) for headers in honoured])
     assert [r["group"] for r in rows] == ["gold", "lead"]
     counted = {
@@ -624,7 +641,7 @@ def test_X3_unsigned_forged_and_stale_lanes_fall_into_the_default_group(cluster:
 def test_X3_a_hop_is_never_forwarded_to_a_peer_again(cluster: Cluster) -> None:
     g, b = cluster.gateway, cluster.node("b")
     before = last_id(b, "f")
-    for headers in (lanes.sign(g.token, "gold", time.time()), {"X-Corrallm-Lane": "gold"}):
+    for headers in (chat_lane(g.token, "gold", time.time()), {"X-Corrallm-Lane": "gold"}):
         with (
             sdk(g, default_headers=headers) as client,
             pytest.raises(openai.NotFoundError) as caught,
