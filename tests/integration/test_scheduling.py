@@ -138,7 +138,7 @@ def test_S4_a_victim_that_sent_nothing_is_requeued_and_its_client_only_waits(gat
     victim.join(30)
     assert done == ["taker", "victim"]  # it did not wait out the victim's 2 s
     assert out["result"].status_code == 200  # the victim's client saw only a delay
-    stats = httpx.get(gw.url + "/upstream/m/debug/stats").json()
+    stats = gw.upstream("GET", "m/debug/stats").json()
     assert stats["cancelled"] >= 1 and stats["completed"] >= 2
 
 
@@ -213,7 +213,7 @@ def test_S4_only_lower_weight_interruptible_lanes_are_preempted(gateway_factory)
     done.append("interactive")
     holder.join(30)
     assert out["result"].status_code == 200
-    stats = httpx.get(gw.url + "/upstream/m/debug/stats").json()
+    stats = gw.upstream("GET", "m/debug/stats").json()
     assert stats["cancelled"] == 0 and done == ["holder", "interactive"]
 
 
