@@ -46,7 +46,7 @@ from corrallm.proxy.asgi import (
     read_body,
     send_bytes,
 )
-from corrallm.proxy.errors import ApiError, internal, not_found
+from corrallm.proxy.errors import ApiError, internal, not_found, quoted
 from corrallm.proxy.models import ModelCatalog
 from corrallm.proxy.pipeline import Pipeline
 from corrallm.ui.app import Dashboard, is_dashboard_path
@@ -238,7 +238,7 @@ class CorrallmApp:
             await self.dashboard(scope, receive, send)
         else:
             raise not_found(
-                f"No endpoint {method} {path}. corrallm serves POST "
+                f"No endpoint {quoted(method)} {quoted(path)}. corrallm serves POST "
                 + ", ".join(sorted(SURFACES))
                 + ", GET /v1/models, GET /v1/models/{id}, GET /v1/capabilities and "
                 "/upstream/<model>/<path>."
@@ -248,7 +248,7 @@ class CorrallmApp:
         """P3: the whole /api subtree is behind the admin token, checked before routing."""
         if not canonical(scope):
             raise not_found(
-                f"No endpoint {scope['path']}: management paths are plain /api/v1/<name>."
+                f"No endpoint {quoted(scope['path'])}: management paths are plain /api/v1/<name>."
             )
         self._operator(scope, "The management API")
         app = await self._api("graphql" if scope["path"] == "/api/graphql" else "rest")

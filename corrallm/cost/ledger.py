@@ -36,13 +36,18 @@ REFRESH_SECONDS = 2.0  # how stale a shared lane's `spent` may get before it is 
 PRUNE_SECONDS = 300.0  # how often a shared lane's rows out of the window are deleted
 
 
+# T5: what a model name that is not served is called in rows, events and metric labels
+# (callers choose names: each one kept would grow the store and the metrics).
+UNKNOWN_MODEL = "unknown"
+
+
 @dataclass(slots=True)
 class Visit:
     """One request, as the proxy saw it; filled in as it goes, settled once at the end."""
 
-    key: str | None  # the configured key name; None for unknown or unkeyed callers
+    key: str | None  # the key's name; `unknown` for a key not configured; None: no key
     group: str
-    model: str
+    model: str  # the served model's name; UNKNOWN_MODEL for a name not served
     endpoint: str
     bytes_in: int
     arrived: float = field(default_factory=time.time)

@@ -17,7 +17,7 @@ import orjson
 
 from corrallm.lifecycle.addresses import upstream_url
 from corrallm.proxy.asgi import Receive, Scope, Send
-from corrallm.proxy.errors import ApiError, bad_request
+from corrallm.proxy.errors import ApiError, bad_request, quoted
 from corrallm.proxy.feedback import SSEFeedback
 from corrallm.proxy.forward import (
     DisconnectWatch,
@@ -70,7 +70,7 @@ def token_limit(payload: dict[str, Any]) -> tuple[int | None, bool]:
         if isinstance(asked, float):
             if not asked.is_integer():
                 raise bad_request(
-                    f"'{name}' must be a whole number of tokens, not {asked!r}.", param=name
+                    f"'{name}' must be a whole number of tokens, not {quoted(asked)}.", param=name
                 )
             # orjson writes 64-bit integers only; past any context length anyway.
             asked = payload[name] = min(int(asked), MAX_TOKENS_ASKED)
@@ -121,7 +121,7 @@ def serve(
     stream = payload.get("stream")
     if stream is not None and not isinstance(stream, bool):
         # corrallm reads `stream` itself (metering, preemption): it must mean one thing.
-        raise bad_request(f"'stream' must be true or false, not {stream!r}.", param="stream")
+        raise bad_request(f"'stream' must be true or false, not {quoted(stream)}.", param="stream")
     limit, rewritten = token_limit(payload)
     if rewritten:
         body = orjson.dumps(payload)

@@ -13,7 +13,7 @@ import orjson
 from corrallm.config.units import parse_duration, rfc3339
 from corrallm.gateway import Caller, Gateway
 from corrallm.proxy.asgi import Receive, Scope, Send, send_bytes
-from corrallm.proxy.errors import ApiError, bad_request, not_found
+from corrallm.proxy.errors import ApiError, bad_request, not_found, quoted
 from corrallm.proxy.pipeline import Inbound, Pipeline
 
 
@@ -89,7 +89,7 @@ def _reserve(pipeline: Pipeline, caller: Caller, body: bytes) -> dict[str, Any]:
     if not isinstance(slots, int) or isinstance(slots, bool) or not 1 <= slots <= capacity:
         raise bad_request(
             f"'slots' must be a whole number from 1 to {capacity} (maxConcurrent of "
-            f"'{route.id}'), got {slots!r}.",
+            f"'{route.id}'), got {quoted(slots)}.",
             param="slots",
         )
     cap = gateway.reservation_max_ttl

@@ -135,3 +135,42 @@ def test_T5_upstream_with_access_keys_passes_the_v1_gates_and_is_recorded(gatewa
     with pytest.raises(openai.APIStatusError) as same_on_v1:
         client.chat.completions.create(model="chat", messages=CHAT["messages"])
     assert same_on_v1.value.status_code == 503
+
+
+def series(gw) -> list[str]:
+    """Every sample line of /metrics (one per series)."""
+    text = httpx.get(gw.url + "/metrics", timeout=10).text
+    return [line for line in text.splitlines() if line and not line.startswith("#")]
+
+
+def test_T5_model_names_callers_choose_are_unknown_in_rows_events_and_metrics(gateway_factory):
+    gw = gateway_factory(config())
+    long_name = "made-up-" + "x" * 5000
+    anonymous = httpx.post(gw.v1 + "/chat/completions", json={**CHAT, "model": long_name})
+    assert anonymous.status_code == 404
+    message = anonymous.json()["error"]["message"]
+    # The message quotes the name's first 128 characters only.
+    assert ("'" + long_name[:128] + "…'") in message and long_name[:129] not in message
+    stranger = openai.OpenAI(base_url=gw.v1, api_key="not-configured", max_retries=0)
+    for name in ("one", "two", "three"):
+        with pytest.raises(openai.NotFoundError):
+            stranger.chat.completions.create(model=name, messages=CHAT["messages"])
+    # Last (rows are written in order): a configured key's.
+    client = openai.OpenAI(base_url=gw.v1, api_key="alice-secret", max_retries=0)
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="made-up-by-alice", messages=CHAT["messages"])
+    # alice is a configured key: her refusal is recorded, as `unknown`, and its error
+    # does not quote the name.
+    rows = wait_for(lambda: requests_of(gw, key="alice"), 10, what="alice's row")
+    assert [(r["model"], r["status"]) for r in rows] == [("unknown", 404)]
+    assert "made-up" not in str(rows)
+    # Anonymous and unknown callers asking for names nobody serves leave no row at all.
+    everything = gw.api("GET", "activity?since=0").json()["rows"]
+    assert [r["key"] for r in everything] == ["alice"]
+    # One metric series for all of them, under the label `unknown`.
+    lines = [line for line in series(gw) if line.startswith("corrallm_requests_total")]
+    assert lines == [
+        'corrallm_requests_total{backend="",group="default",model="unknown",status="404"} 4.0',
+        'corrallm_requests_total{backend="",group="team",model="unknown",status="404"} 1.0',
+    ]
+    assert not [line for line in series(gw) if "made-up" in line or '"one"' in line]
