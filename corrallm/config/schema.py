@@ -134,6 +134,11 @@ class CommandCost(Section):
     modality: Literal["text", "audio"] = "text"
     process_watts_per_byte: float = Field(0.0, ge=0, description="Wh per audio byte in")
     generate_watts_per_byte: float = Field(0.0, ge=0, description="Wh per audio byte out")
+    slot_watts: float = Field(
+        0.0,
+        ge=0,
+        description="W charged per slot held in a /v1/reservations lease (at costPerKwh)",
+    )
     paid: bool = False
 
 
@@ -218,6 +223,9 @@ SleepSpec = Annotated[
 class Pricing(Section):
     input_per_million: float = Field(0.0, ge=0)
     output_per_million: float = Field(0.0, ge=0)
+    per_slot_hour: float = Field(
+        0.0, ge=0, description="$ per slot-hour held in a /v1/reservations lease"
+    )
 
 
 Supervision = Literal["process", "command", "docker", "systemd"]

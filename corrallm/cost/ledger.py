@@ -119,15 +119,22 @@ class Ledger:
             self._read_spent(group, window)
         return known[0] if known is not None else window.spent(now)
 
-    async def reserve(self, visit: Visit, backend: Backend, max_tokens: int | None) -> float | None:
-        """S6: hold the visit's estimated cost; None if admitted, else seconds to wait.
+    async def reserve(
+        self,
+        visit: Visit,
+        backend: Backend,
+        max_tokens: int | None,
+        usd: float | None = None,
+    ) -> float | None:
+        """S6: hold the visit's estimated cost (`usd` where the caller knows it: a lease's
+        slot-seconds); None if admitted, else seconds to wait.
 
         On a shared store this is a database round trip (for lanes with a `spendLimit`
         only; the others return at once), so that the limit holds across the gateways."""
         window = self.spend.get(visit.group)
         if window is None:
             return None
-        estimate = self.costs.estimate(backend, visit.bytes_in, max_tokens)
+        estimate = self.costs.estimate(backend, visit.bytes_in, max_tokens) if usd is None else usd
         now = time.time()
         if self.shared is not None and now >= self._fallback_until:
             try:
