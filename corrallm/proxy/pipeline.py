@@ -134,21 +134,27 @@ class Pipeline:
     def lookup(self, model: str, reloaded: bool = False) -> ServedModel:
         served = self.gw.models.get(model)
         if served is None:
-            names = ", ".join(s.name for s in self.gw.served if not s.config.unlisted)
-            what = (
-                "was removed by a config reload while this request waited"
-                if reloaded
-                else "does not exist here"
-            )
-            error = not_found(
-                f"The model '{quoted(model)}' {what}. Served models: {names or 'none'}. "
-                "GET /v1/models lists them with their aliases.",
-                code="model_not_found",
-            )
-            if not reloaded:  # T5: the name is the caller's: rows say only that much
-                error.recorded = "model_not_found: the model asked for is not served here"
-            raise error
+            # Raised as made, never held in a local: an exception in a local of a frame
+            # its traceback holds is a cycle, and the request's body with it would wait
+            # for the cyclic collector (T5: a flood of them is memory held).
+            raise self._not_served(model, reloaded)
         return served
+
+    def _not_served(self, model: str, reloaded: bool) -> ApiError:
+        names = ", ".join(s.name for s in self.gw.served if not s.config.unlisted)
+        what = (
+            "was removed by a config reload while this request waited"
+            if reloaded
+            else "does not exist here"
+        )
+        error = not_found(
+            f"The model '{quoted(model)}' {what}. Served models: {names or 'none'}. "
+            "GET /v1/models lists them with their aliases.",
+            code="model_not_found",
+        )
+        if not reloaded:  # T5: the name is the caller's: rows say only that much
+            error.recorded = "model_not_found: the model asked for is not served here"
+        return error
 
     def gates(self, inbound: Inbound, caller: Caller) -> ServedModel:
         """keys -> lookup -> modes -> pause: everything decided before money or slots."""
