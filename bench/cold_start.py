@@ -62,7 +62,7 @@ def main() -> None:
                 first = None
                 for _chunk in r.iter_raw():
                     first = first or time.monotonic()
-            stats = httpx.get(f"{gw.url}/upstream/{model}/debug/stats").json()
+            stats = gw.upstream("GET", f"{model}/debug/stats").json()
             assert first is not None and r.status_code == 200
             gaps.append((first - stats["ready_at"]) * 1000)
             totals.append((first - sent) * 1000)

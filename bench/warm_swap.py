@@ -344,7 +344,7 @@ def sleep_bench(args: argparse.Namespace, tmp: Path) -> None:
                 t = turn(gw.v1, [FIRST], model)
                 whole[model].append(t.ttft)
                 if model == "plain":
-                    stats = httpx.get(f"{gw.url}/upstream/{model}/debug/stats", timeout=10).json()
+                    stats = gw.upstream("GET", f"{model}/debug/stats", timeout=10).json()
                     after_ready.append(t.first_at - stats["ready_at"])
     print(f"### W1: corrallm's time around a wake and a reload, {args.runs} runs each\n")
     print(

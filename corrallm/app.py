@@ -25,7 +25,15 @@ from corrallm.gateway import Gateway
 from corrallm.metrics import CONTENT_TYPE
 from corrallm.observe.context import CURRENT, HEADER, Exchange, new_request_id
 from corrallm.peers import lanes
-from corrallm.proxy import anthropic, audio, inference, realtime, reservations, responses
+from corrallm.proxy import (
+    anthropic,
+    audio,
+    inference,
+    passthrough,
+    realtime,
+    reservations,
+    responses,
+)
 from corrallm.proxy.asgi import (
     ASGIApp,
     ClientGone,
@@ -37,7 +45,7 @@ from corrallm.proxy.asgi import (
     send_bytes,
 )
 from corrallm.proxy.bodies import Bodies, BodyLimits
-from corrallm.proxy.errors import ApiError, internal, not_found
+from corrallm.proxy.errors import ApiError, internal, not_found, quoted
 from corrallm.proxy.models import ModelCatalog
 from corrallm.proxy.pipeline import Pipeline
 from corrallm.ui.app import Dashboard, is_dashboard_path
@@ -54,12 +62,14 @@ async def openai_error(error: ApiError, send: Send) -> None:
 
 @dataclass(frozen=True, slots=True)
 class Surface:
-    """A /v1 path that takes a body through the pipeline: its method, its codec's handler,
-    and how its errors are written (every error on it, 405 and 413 included)."""
+    """A /v1 path that takes a body through the pipeline: its method (None: any), its
+    codec's handler, how its errors are written (every error on it, 405 and 413
+    included), and whether it is for operators only (the admin token instead of a key)."""
 
-    method: str
+    method: str | None
     handler: Handler
     errors: ErrorWriter = openai_error
+    operator: bool = False
 
 
 SURFACES: dict[str, Surface] = {
@@ -74,6 +84,12 @@ SURFACES: dict[str, Surface] = {
     "/v1/messages": Surface("POST", anthropic.serve, anthropic.write_error),
     "/v1/messages/count_tokens": Surface("POST", anthropic.count_tokens, anthropic.write_error),
     "/v1/responses": Surface("POST", responses.serve),
+}
+# T5: `/upstream/<model>/…`, for operators (the default) or for keyed callers through the
+# pipeline (`upstream: {access: keys}`).
+UPSTREAM = {
+    "admin": Surface(None, passthrough.operator, operator=True),
+    "keys": Surface(None, passthrough.keyed),
 }
 _HEALTH = orjson.dumps({"status": "ok"})
 # What a refused lane signature is, in the 401's words (T5).
@@ -131,8 +147,11 @@ class CorrallmApp:
         path: str = scope["path"]
         surface = SURFACES.get(path)
         if surface is None:
-            await self._answer(self._route(scope, receive, send), openai_error, send, scope)
-            return
+            if not path.startswith("/upstream/"):
+                await self._answer(self._route(scope, receive, send), openai_error, send, scope)
+                return
+            surface = UPSTREAM[self.gateway.config.upstream.access]
+            send = passthrough.sandboxed(send)  # errors included
         # A request through the pipeline: its id on every answer, its exchange captured.
         exchange = Exchange(new_request_id())
         token = CURRENT.set(exchange)
@@ -140,8 +159,16 @@ class CorrallmApp:
         body = b""
         try:
             self._hop(scope, exchange)
-            _require(scope["method"], surface.method, path)
-            exchange.caller = self.pipeline.identify(scope, exchange.lane)
+            if surface.method is not None:
+                _require(scope["method"], surface.method, path)
+            if surface.operator:
+                self._operator(
+                    scope,
+                    "/upstream/<model>/…",
+                    " (or set upstream.access: keys in the config to open it to API keys)",
+                )
+            else:
+                exchange.caller = self.pipeline.identify(scope, exchange.lane)
             body = await self._body(scope, receive)
             exchange.capture = self.gateway.captures.open(exchange.id, scope, body)
             await surface.handler(self.pipeline, scope, receive, out, body)
@@ -232,8 +259,6 @@ class CorrallmApp:
             await audio.send_capabilities(self.gateway, scope, send)
         elif path == "/v1/reservations":
             await self._with_body(reservations.handle, scope, receive, send)
-        elif path.startswith("/upstream/"):
-            await self._with_body(inference.upstream, scope, receive, send)
         elif path in ("/health", "/healthz"):
             await send_bytes(send, 200, _HEALTH)
         elif path == "/metrics":
@@ -249,7 +274,7 @@ class CorrallmApp:
             await self.dashboard(scope, receive, send)
         else:
             raise not_found(
-                f"No endpoint {method} {path}. corrallm serves POST "
+                f"No endpoint {quoted(method)} {quoted(path)}. corrallm serves POST "
                 + ", ".join(sorted(SURFACES))
                 + ", GET /v1/models, GET /v1/models/{id}, GET /v1/capabilities and "
                 "/upstream/<model>/<path>."
@@ -259,19 +284,24 @@ class CorrallmApp:
         """P3: the whole /api subtree is behind the admin token, checked before routing."""
         if not canonical(scope):
             raise not_found(
-                f"No endpoint {scope['path']}: management paths are plain /api/v1/<name>."
+                f"No endpoint {quoted(scope['path'])}: management paths are plain /api/v1/<name>."
             )
+        self._operator(scope, "The management API")
+        app = await self._api("graphql" if scope["path"] == "/api/graphql" else "rest")
+        await app(scope, receive, send)
+
+    def _operator(self, scope: Scope, what: str, hint: str = "") -> None:
+        """P3, T5: 401 unless the request carries the admin token."""
         if not authorized(scope, self._admin_token):
             raise ApiError(
                 401,
-                "The management API needs the admin token (the file admin.token in corrallm's "
-                "home folder) as 'Authorization: Bearer <token>' or the corrallm_token cookie.",
+                f"{what} needs the admin token (the file admin.token in corrallm's home "
+                "folder) as 'Authorization: Bearer <token>' or the corrallm_token cookie"
+                f"{hint}.",
                 type="authentication_error",
                 code="unauthorized",
                 headers={"www-authenticate": "Bearer"},
             )
-        app = await self._api("graphql" if scope["path"] == "/api/graphql" else "rest")
-        await app(scope, receive, send)
 
     async def _api(self, name: str) -> ASGIApp:
         """The REST or GraphQL app, built on first use in a worker thread. FastAPI and

@@ -261,6 +261,7 @@ class Gateway:
         """Stop every backend this gateway started; nothing is left behind (L5)."""
         for task in self._tasks:
             task.cancel()
+        self.admission.end_leases()  # T5: what live leases held is charged before the flush
         await self.nodes.close()
         await asyncio.gather(*(sup.stop() for sup in self.supervisors.values()))
         await self.residency.close()

@@ -235,6 +235,9 @@ RATE_BUCKETS = (
     1.0, 2.0, 5.0, 10.0, 20.0, 30.0, 50.0, 75.0, 100.0, 150.0,
     200.0, 300.0, 500.0, 1000.0, 2000.0, 5000.0,
 )  # fmt: skip
+# A lease (/v1/reservations, SPEC §22 T5) is settled as a visit when it ends: it is held,
+# not answered, so its length is no request's latency.
+UNTIMED = frozenset({"/v1/reservations"})
 # A ready backend is "waited for" for microseconds: only a longer wait was a start or wake.
 LOAD_FLOOR_SECONDS = 0.005
 
@@ -275,7 +278,7 @@ class Latency:
     def observe(self, visit: Visit, now: float) -> None:
         """The finished `visit`, whose end is `now` (monotonic)."""
         admitted = visit.admitted_mono
-        if admitted is None and visit.queue_ms <= 0:
+        if (admitted is None and visit.queue_ms <= 0) or visit.endpoint in UNTIMED:
             return
         key = (visit.model, visit.group)
         rows = self.series.get(key)

@@ -11,7 +11,8 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 
-from corrallm.cost.ledger import Ledger, Visit
+from corrallm.auth.keys import UNKNOWN
+from corrallm.cost.ledger import UNKNOWN_MODEL, Ledger, Visit
 from corrallm.events import EventBus
 from corrallm.lifecycle.state import State
 from corrallm.lifecycle.supervisor import Supervisor
@@ -40,6 +41,12 @@ class Telemetry:
 
     def settle(self, visit: Visit) -> None:
         """A request is over: its cost, spend and activity row (no I/O: rows are batched)."""
+        if visit.model == UNKNOWN_MODEL and visit.key in (None, UNKNOWN):
+            # T5: a caller nobody configured asked for a model nobody serves (a flood of
+            # made-up names, perhaps): counted under bounded metric labels, nothing kept.
+            # It reserved nothing and reached no backend: there is nothing to settle.
+            self.metrics.visit(visit, 0.0, 0.0)
+            return
         price = self.ledger.settle(visit)
         self.metrics.visit(visit, price.cost_usd, price.energy_wh)
         if self.events.subscribers:

@@ -351,6 +351,7 @@ class ReservationView(BaseModel):
     model: str
     backend: str
     lane: str
+    key: str = Field(description="the name of the key that holds it (SPEC §22 T5)")
     slots: int
     expires_at: str
 

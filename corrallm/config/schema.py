@@ -136,6 +136,11 @@ class CommandCost(Section):
     modality: Literal["text", "audio"] = "text"
     process_watts_per_byte: float = Field(0.0, ge=0, description="Wh per audio byte in")
     generate_watts_per_byte: float = Field(0.0, ge=0, description="Wh per audio byte out")
+    slot_watts: float = Field(
+        0.0,
+        ge=0,
+        description="W charged per slot held in a /v1/reservations lease (at costPerKwh)",
+    )
     paid: bool = False
 
 
@@ -220,6 +225,9 @@ SleepSpec = Annotated[
 class Pricing(Section):
     input_per_million: float = Field(0.0, ge=0)
     output_per_million: float = Field(0.0, ge=0)
+    per_slot_hour: float = Field(
+        0.0, ge=0, description="$ per slot-hour held in a /v1/reservations lease"
+    )
 
 
 Supervision = Literal["process", "command", "docker", "systemd"]
@@ -463,6 +471,14 @@ class Feedback(Section):
         )
 
 
+class Reservations(Section):
+    """What a group's callers may hold in `/v1/reservations` leases (SPEC §22 T5)."""
+
+    max_slots: int = Field(
+        1, ge=0, description="slots its callers hold in leases at once, all models together"
+    )
+
+
 class PriorityGroup(Section):
     weight: float = Field(1.0, gt=0)
     share_currency: Literal["requests", "slotSeconds", "tokens", "dollars"] = "requests"
@@ -474,6 +490,7 @@ class PriorityGroup(Section):
     max_wait: Duration | None = None
     max_queue_depth: int | None = Field(None, ge=0)
     feedback: FeedbackOverride | None = None
+    reservations: Reservations = Field(default_factory=Reservations)
 
     @model_validator(mode="before")
     @classmethod
@@ -579,6 +596,17 @@ class Realtime(Section):
     max_duration: Duration = 3600.0
 
 
+class Upstream(Section):
+    """Who may use `/upstream/<model>/…`, the passthrough to a backend's own API and web UI
+    (SPEC §22 T5)."""
+
+    access: Literal["admin", "keys"] = Field(
+        "admin",
+        description="admin: the admin token only (as for /api); keys: callers, through the "
+        "same gates as /v1 (key, allowlist, pause, spend, a slot, an activity row)",
+    )
+
+
 class Timeouts(Section):
     """SPEC §20: how long a backend may stay silent before its request is given up."""
 
@@ -665,6 +693,7 @@ class Config(Section):
     )
     scheduler: Scheduler = Field(default_factory=Scheduler)
     realtime: Realtime = Field(default_factory=Realtime)
+    upstream: Upstream = Field(default_factory=Upstream)
     ledger: Ledger = Field(default_factory=Ledger)
     timeouts: Timeouts = Field(default_factory=Timeouts)
     feedback: Feedback = Field(default_factory=Feedback)

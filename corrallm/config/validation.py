@@ -354,6 +354,12 @@ class _Checker:
         costs = set(self.command_costs)
         for model, spec in self.models.items():
             spec = _map(spec)
+            if model == "unknown":  # T5: what rows and metrics call a name not served
+                self.add(
+                    ("models", model),
+                    "'unknown' is what corrallm calls a model name that is not served (in "
+                    "activity rows, events and metrics); give this model another name",
+                )
             backends = spec.get("backends")
             for index, raw in enumerate(backends if isinstance(backends, list) else []):
                 if not isinstance(raw, Mapping):

@@ -66,13 +66,18 @@ def key_lane(name: str) -> str:
     return "key:" + name
 
 
+# T5: what a model name that is not served is called in rows, events and metric labels
+# (callers choose names: each one kept would grow the store and the metrics).
+UNKNOWN_MODEL = "unknown"
+
+
 @dataclass(slots=True)
 class Visit:
     """One request, as the proxy saw it; filled in as it goes, settled once at the end."""
 
-    key: str | None  # the configured key name; None for unknown or unkeyed callers
+    key: str | None  # the key's name; `unknown` for a key not configured; None: no key
     group: str
-    model: str
+    model: str  # the served model's name; UNKNOWN_MODEL for a name not served
     endpoint: str
     bytes_in: int
     arrived: float = field(default_factory=time.time)
@@ -167,9 +172,11 @@ class Ledger:
         backend: Backend,
         max_tokens: int | None,
         key_limit: SpendLimit | None = None,
+        usd: float | None = None,
     ) -> OverSpend | None:
-        """S6: hold the visit's estimated cost against its lane's window and, with
-        `key_limit` (its key's own spendLimit, T3), its key's; None if both fit.
+        """S6: hold the visit's estimated cost (`usd` where the caller knows it: a lease's
+        slot-seconds) against its lane's window and, with `key_limit` (its key's own
+        spendLimit, T3), its key's; None if both fit.
 
         On a shared store this is a database round trip per limited window (lanes and
         keys without a `spendLimit` return at once), so that the limits hold across the
@@ -184,7 +191,7 @@ class Ledger:
             windows.append((key_lane(visit.key), visit.key, True, own))
         if not windows:
             return None
-        estimate = self.costs.estimate(backend, visit.bytes_in, max_tokens)
+        estimate = self.costs.estimate(backend, visit.bytes_in, max_tokens) if usd is None else usd
         for _, name, key, window in windows:
             if estimate > window.limit_usd + 1e-12:
                 return OverSpend(name, key, estimate, window.limit_usd, None)

@@ -6,6 +6,8 @@
 - Paid: tokens x `pricing` per million x `costFactor` (a backend with `pricing`, or of a
   `paid` class); no local energy.
 - Loading: measured load seconds x `swap.loadWatts` / 3600 Wh, at `costPerKwh`.
+- Leases (SPEC §22 T5): slot-seconds held x `pricing.perSlotHour` / 3600 x `costFactor`
+  (paid), else x the cost class's `slotWatts` / 3600 Wh, at `costPerKwh`.
 """
 
 from __future__ import annotations
@@ -89,6 +91,18 @@ class CostModel:
                 + m.completion_tokens * cls.generate_watts_per_token
             )
         return self._energy(wh)
+
+    def lease(self, backend: Backend, slot_seconds: float) -> Price:
+        """What holding slots of `backend` in a /v1/reservations lease costs."""
+        hours = slot_seconds / 3600
+        if self.paid(backend):
+            pricing = backend.pricing
+            per_hour = pricing.per_slot_hour if pricing is not None else 0.0
+            return Price(0.0, hours * per_hour * backend.cost_factor) if per_hour else FREE
+        cls = self.cost_class(backend)
+        if cls is None or not cls.slot_watts:
+            return FREE
+        return self._energy(hours * cls.slot_watts)
 
     def load(self, spec: ProcessSpec, seconds: float) -> Price:
         return self._energy(seconds * spec.swap.load_watts / 3600)

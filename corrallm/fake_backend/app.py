@@ -26,8 +26,10 @@ HEALTH_PATHS = frozenset({"/health", "/healthz", "/v1/health"})
 HEALTH_OK = b'{"status":"ok"}'
 INDEX_HTML = (
     b"<!doctype html><html><head><title>corrallm fake backend</title></head>"
-    b"<body><h1>corrallm fake backend</h1><p>An OpenAI-compatible test server.</p></body></html>"
+    b"<body><h1>corrallm fake backend</h1><p>An OpenAI-compatible test server.</p>"
+    b"<script>document.title = 'scripted';</script></body></html>"
 )
+INDEX_HEADERS = ((b"set-cookie", b"fake_session=1; Path=/"),)
 _FORM_FIELD = re.compile(rb'name="([A-Za-z_]+)"\r\n\r\n([^\r]*)\r\n')
 # SPEC §12 U4's shape, fixed so that tests and the dashboard's playground can assert on it.
 _TURNS = [
@@ -432,4 +434,6 @@ class FakeBackend:
         await ex.respond(200, orjson.dumps(props))
 
     async def _index(self, ex: Exchange, faulty: bool = False) -> None:
-        await ex.respond(200, INDEX_HTML, b"text/html; charset=utf-8")
+        # A web UI with a script and a session cookie, as real backends' pages have: what
+        # corrallm's /upstream must sandbox (SPEC §22 T5).
+        await ex.respond(200, INDEX_HTML, b"text/html; charset=utf-8", INDEX_HEADERS)

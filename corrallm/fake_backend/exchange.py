@@ -97,7 +97,13 @@ class Exchange:
 
     # --- sending -----------------------------------------------------------------------------
 
-    async def respond(self, status: int, body: bytes, content_type: bytes = JSON) -> None:
+    async def respond(
+        self,
+        status: int,
+        body: bytes,
+        content_type: bytes = JSON,
+        extra: tuple[tuple[bytes, bytes], ...] = (),
+    ) -> None:
         self.status = status
         await self.send(
             {
@@ -106,6 +112,7 @@ class Exchange:
                 "headers": [
                     (b"content-type", content_type),
                     (b"content-length", b"%d" % len(body)),
+                    *extra,
                 ],
             }
         )

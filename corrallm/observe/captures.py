@@ -23,6 +23,8 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
+from corrallm.auth.keys import UNKNOWN
+from corrallm.cost.ledger import UNKNOWN_MODEL
 from corrallm.observe.context import Exchange
 from corrallm.observe.ring import Record, Ring
 
@@ -287,6 +289,10 @@ class Captures:
         capture, visit = exchange.capture, exchange.visit
         exchange.capture = None
         if not isinstance(capture, Capture) or self.bodies == "none":
+            return
+        if visit is not None and visit.model == UNKNOWN_MODEL and visit.key in (None, UNKNOWN):
+            # T5: a stranger asking for a model nobody serves: nothing of it is kept (a
+            # flood of them would only push the operator's captures out of the ring).
             return
         status = (visit.status if visit is not None else 0) or capture.status
         if self.bodies == "errors" and 200 <= status < 300:

@@ -33,7 +33,7 @@ from corrallm.proxy.anthropic_translate import (
 )
 from corrallm.proxy.asgi import Headers, Receive, Scope, Send, send_bytes
 from corrallm.proxy.client import Response
-from corrallm.proxy.errors import ApiError, bad_gateway, bad_request
+from corrallm.proxy.errors import ApiError, bad_gateway, bad_request, quoted
 from corrallm.proxy.feedback import SSEFeedback
 from corrallm.proxy.forward import (
     DisconnectWatch,
@@ -70,7 +70,7 @@ def _read(payload: dict[str, Any]) -> tuple[dict[str, Any], int | None, bool]:
     whether the payload was rewritten (a float max_tokens made whole)."""
     stream = payload.get("stream")
     if stream is not None and not isinstance(stream, bool):
-        raise bad_request(f"'stream' must be true or false, not {stream!r}.", param="stream")
+        raise bad_request(f"'stream' must be true or false, not {quoted(stream)}.", param="stream")
     limit, rewritten = token_limit(payload)
     return to_chat(payload), limit, rewritten
 

@@ -20,6 +20,17 @@ from corrallm.lifecycle.errors import (
 from corrallm.proxy.asgi import Send, send_bytes
 from corrallm.residency.manager import NoRoom
 
+# T5: an error message quotes at most this much of a string a caller chose (a model name,
+# a path, a field's value), so that what it sends is never echoed back whole or kept.
+QUOTED_CHARS = 128
+
+
+def quoted(value: object) -> str:
+    """`value` as an error message shows it: its first QUOTED_CHARS characters (repr for
+    anything but a string), marked where it was cut."""
+    text = value if isinstance(value, str) else repr(value)
+    return text if len(text) <= QUOTED_CHARS else text[:QUOTED_CHARS] + "…"
+
 
 class ApiError(Exception):
     def __init__(
@@ -40,6 +51,14 @@ class ApiError(Exception):
         self.param = param
         self.headers = headers or {}
         self.extra: dict[str, Any] = {}  # more fields of the error object (a 429's hint)
+        # What an activity row says of it, where the message quotes what a caller chose
+        # (T5: such names are never recorded); None: the code and the message.
+        self.recorded: str | None = None
+
+    @property
+    def summary(self) -> str:
+        """The error as an activity row records it."""
+        return self.recorded or f"{self.code}: {self.message}"
 
     def body(self) -> dict[str, Any]:
         return {

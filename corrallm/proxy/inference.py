@@ -1,5 +1,5 @@
 """The OpenAI HTTP surfaces: chat, completions, embeddings, rerank, speech and audio uploads
-(SPEC §3, §8, §12), and the `/upstream/<model>/…` passthrough.
+(SPEC §3, §8, §12).
 
 This module is a codec on the one pipeline (proxy/pipeline.py): it reads the request
 (parsed once, the model looked up in a prebuilt table by the pipeline), forwards it to
@@ -10,26 +10,24 @@ parsing.
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Awaitable
 from typing import Any
 
 import orjson
 
-from corrallm.lifecycle.addresses import origin, upstream_url
+from corrallm.lifecycle.addresses import upstream_url
 from corrallm.proxy import jsonbody
 from corrallm.proxy.asgi import Receive, Scope, Send
-from corrallm.proxy.errors import ApiError, bad_request, not_found
+from corrallm.proxy.errors import ApiError, bad_request, quoted
 from corrallm.proxy.feedback import SSEFeedback
 from corrallm.proxy.forward import (
     DisconnectWatch,
     direct_writer,
     forward,
-    request_headers,
     stream_error,
 )
 from corrallm.proxy.metering import Meter, ask_for_usage
-from corrallm.proxy.pipeline import SURFACE_MODE, Admitted, Inbound, Pipeline, caller_key, ready
+from corrallm.proxy.pipeline import SURFACE_MODE, Admitted, Inbound, Pipeline, caller_key
 from corrallm.routing.affinity import session_key
 from corrallm.routing.router import Route
 
@@ -70,7 +68,7 @@ def token_limit(payload: dict[str, Any]) -> tuple[int | None, bool]:
         if isinstance(asked, float):
             if not asked.is_integer():
                 raise bad_request(
-                    f"'{name}' must be a whole number of tokens, not {asked!r}.", param=name
+                    f"'{name}' must be a whole number of tokens, not {quoted(asked)}.", param=name
                 )
             # orjson writes 64-bit integers only; past any context length anyway.
             asked = payload[name] = min(int(asked), MAX_TOKENS_ASKED)
@@ -121,7 +119,7 @@ def serve(
     stream = payload.get("stream")
     if stream is not None and not isinstance(stream, bool):
         # corrallm reads `stream` itself (metering, preemption): it must mean one thing.
-        raise bad_request(f"'stream' must be true or false, not {stream!r}.", param="stream")
+        raise bad_request(f"'stream' must be true or false, not {quoted(stream)}.", param="stream")
     limit, rewritten = token_limit(payload)
     if rewritten:
         body = orjson.dumps(payload)
@@ -201,44 +199,4 @@ def serve_parsed(
     return pipeline.run_http(inbound, work, watch, interrupted, feedback)
 
 
-async def upstream(
-    pipeline: Pipeline, scope: Scope, receive: Receive, send: Send, body: bytes
-) -> None:
-    """`/upstream/<model>/<path>`: straight to the backend, loading it if needed, unscheduled.
-    The path goes on as the client sent it (still percent-encoded), query string and all."""
-    raw_path: bytes = scope.get("raw_path") or scope["path"].encode("latin-1")
-    rest = raw_path[len(b"/upstream/") :]
-    model, _, path = rest.partition(b"/")
-    if not model:
-        raise not_found("Use /upstream/<model>/<path> to reach a backend's own API or web UI.")
-    route = pipeline.lookup(model.decode("latin-1")).tiers_for(None)[0][0]
-    query = scope.get("query_string", b"")
-    extra = [(b"x-corrallm-backend", route.id.encode())]
-    watch = DisconnectWatch(receive, scope)
-    try:
-        await ready(route)  # untracked: it holds no slot and never delays a drain
-        url = f"{origin(route.endpoint.base_url)}/{path.decode('latin-1')}"
-        if query:
-            url += "?" + query.decode("latin-1")
-        headers = request_headers(scope["headers"], route.config.headers)
-        await forward(
-            pipeline.upstream,
-            scope,
-            send,
-            url,
-            body,
-            headers,
-            extra,
-            watch,
-            route.id,
-            idle_timeout=pipeline.gw.config.upstream_idle(route.config),
-        )
-    except asyncio.CancelledError:
-        if watch.absorb():
-            return
-        raise
-    finally:
-        watch.close()
-
-
-__all__ = ["ApiError", "serve", "upstream"]
+__all__ = ["ApiError", "serve"]

@@ -32,7 +32,7 @@ from corrallm.auth.callers import Caller, trusts_user, user_named
 from corrallm.auth.keys import Refused
 from corrallm.auth.limits import Ask
 from corrallm.auth.throttle import Pass, asks_of
-from corrallm.cost.ledger import Visit
+from corrallm.cost.ledger import UNKNOWN_MODEL, Visit
 from corrallm.gateway import Gateway
 from corrallm.lifecycle.errors import BackendPaused, LifecycleError
 from corrallm.lifecycle.supervisor import Cause
@@ -41,7 +41,7 @@ from corrallm.observe.live import LiveRequest
 from corrallm.peers.endpoint import PeerEndpoint
 from corrallm.proxy.asgi import Headers, Scope, header
 from corrallm.proxy.client import Client
-from corrallm.proxy.errors import RETIRED, ApiError, lifecycle_failure, not_found
+from corrallm.proxy.errors import RETIRED, ApiError, lifecycle_failure, not_found, quoted
 from corrallm.proxy.feedback import (
     Narrator,
     QueueNote,
@@ -137,28 +137,37 @@ class Pipeline:
             await self._websockets.close()
 
     def has_choice(self, model: str) -> bool:
-        """Whether a request for `model` may have a choice of backend (an unknown name
-        too: the gates say why it is refused)."""
+        """Whether a request for `model` may have a choice of backend (not an unknown
+        name: the gates refuse it, and nothing of it is worth hashing)."""
         served = self.gw.models.get(model)
-        return served is None or len(served.routes) > 1
+        return served is not None and len(served.routes) > 1
 
     # -- the first gates, also for reservations and /upstream ------------------------
 
     def lookup(self, model: str, reloaded: bool = False) -> ServedModel:
         served = self.gw.models.get(model)
         if served is None:
-            names = ", ".join(s.name for s in self.gw.served if not s.config.unlisted)
-            what = (
-                "was removed by a config reload while this request waited"
-                if reloaded
-                else "does not exist here"
-            )
-            raise not_found(
-                f"The model '{model}' {what}. Served models: {names or 'none'}. "
-                "GET /v1/models lists them with their aliases.",
-                code="model_not_found",
-            )
+            # Raised as made, never held in a local: an exception in a local of a frame
+            # its traceback holds is a cycle, and the request's body with it would wait
+            # for the cyclic collector (T5: a flood of them is memory held).
+            raise self._not_served(model, reloaded)
         return served
+
+    def _not_served(self, model: str, reloaded: bool) -> ApiError:
+        names = ", ".join(s.name for s in self.gw.served if not s.config.unlisted)
+        what = (
+            "was removed by a config reload while this request waited"
+            if reloaded
+            else "does not exist here"
+        )
+        error = not_found(
+            f"The model '{quoted(model)}' {what}. Served models: {names or 'none'}. "
+            "GET /v1/models lists them with their aliases.",
+            code="model_not_found",
+        )
+        if not reloaded:  # T5: the name is the caller's: rows say only that much
+            error.recorded = "model_not_found: the model asked for is not served here"
+        return error
 
     def gates(self, inbound: Inbound, caller: Caller) -> ServedModel:
         """keys -> lookup -> allowlist -> modes -> pause: everything decided before money
@@ -273,10 +282,11 @@ class Pipeline:
         caller = exchange.caller if exchange is not None else None
         if caller is None:  # a surface without an exchange (realtime): judged here
             caller = gw.caller(inbound.key, exchange.lane if exchange is not None else None)
+        known = gw.models.get(inbound.model)
         visit = Visit(
             caller.name,
             caller.group_name,
-            inbound.model,
+            known.name if known is not None else UNKNOWN_MODEL,  # T5: never the caller's
             inbound.endpoint,
             inbound.size,
         )
@@ -310,7 +320,7 @@ class Pipeline:
             else:  # most callers: no await level of its own on the hot path (app.py)
                 await self._admit_and_work(served, flight)
         except ApiError as exc:
-            visit.status, visit.error = exc.status, f"{exc.code}: {exc.message}"
+            visit.status, visit.error = exc.status, exc.summary
             for name, value in flight.waited.headers().items():
                 exc.headers.setdefault(name, value)
             raise

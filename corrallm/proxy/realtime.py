@@ -7,6 +7,11 @@ admission): it holds one fairshare slot and counts in flight on its backend for 
 life, frames are relayed both ways and close codes passed through; it is reaped after
 `realtime.idleTimeout` without a frame and after `realtime.maxDuration`. A saturated
 backend closes the socket with 1013 (try again later) and a reason saying when.
+
+No side doors (SPEC §22 T5): the key, and the model named in the query, are judged before
+the upgrade is accepted: a refusal then is an HTTP answer (401, 403, 404, 429, 503…) in
+the OpenAI error shape, not a socket. An upgraded session whose client sends nothing
+within FIRST_EVENT_SECONDS is closed with 1008.
 """
 
 from __future__ import annotations
@@ -23,13 +28,17 @@ import orjson
 from corrallm.config.schema import Realtime
 from corrallm.cost.model import Metered
 from corrallm.lifecycle.addresses import upstream_url
-from corrallm.proxy.asgi import Receive, Scope, Send
+from corrallm.proxy.asgi import JSON, Receive, Scope, Send
 from corrallm.proxy.errors import ApiError
 from corrallm.proxy.pipeline import Admitted, Inbound, Pipeline, caller_key
 
 SESSION_EVENTS = ("session.update", "transcription_session.update")
 TRY_AGAIN_LATER = 1013
 POLICY_VIOLATION = 1008
+# T5: an upgraded socket whose client says nothing holds a connection (and, with a model,
+# a slot) for nothing: its first event must come within this many seconds.
+FIRST_EVENT_SECONDS = 10.0
+DENIAL = "websocket.http.response"  # the ASGI extension for an HTTP answer to an upgrade
 
 
 class Refused(Exception):
@@ -38,33 +47,63 @@ class Refused(Exception):
         self.code, self.reason = code, reason[:120]  # close reasons are short
 
 
+class Socket:
+    """The client's side: `send`, and whether the upgrade was accepted (after which a
+    refusal is a close code, before it an HTTP answer)."""
+
+    def __init__(self, scope: Scope, send: Send) -> None:
+        self.scope, self.send = scope, send
+        self.accepted = False
+
+    async def accept(self) -> None:
+        if not self.accepted:
+            self.accepted = True
+            await self.send({"type": "websocket.accept"})
+
+    async def refuse(self, exc: ApiError) -> None:
+        """A gate's refusal: before the upgrade, its HTTP status and OpenAI-shaped body
+        (where the server speaks the denial extension; else a plain 403); after it, a
+        close code with the words as its reason."""
+        if self.accepted:
+            retry = exc.headers.get("retry-after")
+            reason = f"{exc.code}: retry after {retry}s" if retry else exc.message
+            await self.close(Refused(_close_code(exc), reason))
+        elif DENIAL in self.scope.get("extensions", {}):
+            headers = [(b"content-type", JSON)]
+            headers.extend((k.lower().encode(), v.encode()) for k, v in exc.headers.items())
+            start = {"type": "websocket.http.response.start", "status": exc.status}
+            await self.send({**start, "headers": headers})
+            body = orjson.dumps(exc.body())
+            await self.send({"type": "websocket.http.response.body", "body": body})
+        else:
+            await self.send({"type": "websocket.close", "code": _close_code(exc)})
+
+    async def close(self, refused: Refused) -> None:
+        if self.accepted:
+            message = {"type": "websocket.close", "code": refused.code, "reason": refused.reason}
+            await self.send(message)
+        else:  # before the upgrade: an HTTP 403, the reason in corrallm's log
+            await self.send({"type": "websocket.close", "code": refused.code})
+
+
 async def relay(pipeline: Pipeline, scope: Scope, receive: Receive, send: Send) -> None:
     if (await receive())["type"] != "websocket.connect":
         return
     query = parse_qs(scope.get("query_string", b"").decode("latin-1"))
     model = (query.get("model") or [None])[0]
-    accepted = False
+    socket = Socket(scope, send)
     first: dict[str, Any] | None = None
     try:
+        pipeline.identify(scope)  # T5: the key first, from the head alone
         if model is None:  # the model comes with the first session event
-            await send({"type": "websocket.accept"})
-            accepted = True
+            await socket.accept()
             first = await _first_event(receive)
             model = _model_of(first)
-        await _session(pipeline, scope, receive, send, model, first, accepted)
-    except ApiError as exc:  # refused by a gate: a close code, the words as its reason
-        retry = exc.headers.get("retry-after")
-        reason = f"{exc.code}: retry after {retry}s" if retry else exc.message
-        await _close(send, accepted, Refused(_close_code(exc), reason))
+        await _session(pipeline, scope, receive, socket, model, first)
+    except ApiError as exc:  # refused by a gate
+        await socket.refuse(exc)
     except Refused as refused:
-        await _close(send, accepted, refused)
-
-
-async def _close(send: Send, accepted: bool, refused: Refused) -> None:
-    if accepted:
-        await send({"type": "websocket.close", "code": refused.code, "reason": refused.reason})
-    else:  # before the upgrade: an HTTP 403, the reason in corrallm's log
-        await send({"type": "websocket.close", "code": refused.code})
+        await socket.close(refused)
 
 
 def _close_code(exc: ApiError) -> int:
@@ -79,10 +118,9 @@ async def _session(
     pipeline: Pipeline,
     scope: Scope,
     receive: Receive,
-    send: Send,
+    socket: Socket,
     model: str,
     first: dict[str, Any] | None,
-    accepted: bool,
 ) -> None:
     """One session through the pipeline: it holds a slot and counts in flight on its
     backend for its whole life, so no ttl reaper, eviction or unload takes the backend
@@ -97,11 +135,11 @@ async def _session(
         bytes_in = [0]
         try:
             async with pipeline.websockets.ws_connect(url, params=params, autoping=True) as up:
-                if not accepted:
-                    await send({"type": "websocket.accept"})
+                await socket.accept()
                 if first is not None:
                     await up.send_str(orjson.dumps(first).decode())
-                return await _pump(limits, receive, send, up, bytes_in)
+                heard = first is not None  # the client's first event came already
+                return await _pump(limits, receive, socket.send, up, bytes_in, heard)
         except aiohttp.ClientError as exc:
             raise ApiError(
                 502, f"backend '{route.id}' refused the realtime session: {exc}", "backend_error"
@@ -121,9 +159,12 @@ async def _pump(
     send: Send,
     upstream: aiohttp.ClientWebSocketResponse,
     bytes_in: list[int],
+    heard: bool,
 ) -> int:
-    """Relay both ways until either side closes, the session idles or runs out of time."""
+    """Relay both ways until either side closes, the session idles or runs out of time,
+    or (T5) its client sends nothing within FIRST_EVENT_SECONDS."""
     last = [time.monotonic()]
+    spoke = [heard]
 
     async def client_to_upstream() -> None:
         while True:
@@ -132,6 +173,7 @@ async def _pump(
                 await upstream.close(code=message.get("code", 1000))
                 return
             last[0] = time.monotonic()
+            spoke[0] = True
             if message.get("text") is not None:
                 bytes_in[0] += len(message["text"])
                 await upstream.send_str(message["text"])
@@ -162,14 +204,24 @@ async def _pump(
                 why = "idle" if now - last[0] > limits.idle_timeout else "maxDuration reached"
                 await send({"type": "websocket.close", "code": 1000, "reason": f"session {why}"})
                 return 200
+            if not spoke[0] and now - began > FIRST_EVENT_SECONDS:
+                await send({"type": "websocket.close", "code": POLICY_VIOLATION, "reason": SILENT})
+                return 408
     finally:
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
+SILENT = f"no event within {FIRST_EVENT_SECONDS:g}s of the upgrade"
+
+
 async def _first_event(receive: Receive) -> dict[str, Any]:
-    message = await receive()
+    try:
+        async with asyncio.timeout(FIRST_EVENT_SECONDS):
+            message = await receive()
+    except TimeoutError:
+        raise Refused(POLICY_VIOLATION, SILENT) from None
     if message["type"] == "websocket.disconnect":
         raise Refused(1000, "closed")
     try:

@@ -18,6 +18,8 @@ from typing import Any
 
 import orjson
 
+from corrallm.proxy.errors import quoted
+
 MAX_INPUT_ITEMS = 4096  # input items, and content parts per message: far past any context
 _ROLES = {"user": "user", "assistant": "assistant", "system": "system", "developer": "system"}
 _TEXT_PARTS = frozenset({"input_text", "output_text", "text", "summary_text", "refusal"})
@@ -62,7 +64,7 @@ def check_request(payload: dict[str, Any]) -> int | None:
     `max_output_tokens` (for the spend estimate)."""
     stream = payload.get("stream")
     if stream is not None and not isinstance(stream, bool):
-        raise Refused(f"'stream' must be true or false, not {stream!r}.", "stream")
+        raise Refused(f"'stream' must be true or false, not {quoted(stream)}.", "stream")
     if "input" not in payload or payload["input"] is None:
         raise Refused(
             "Missing 'input': send the prompt as a string or a list of messages.", "input"

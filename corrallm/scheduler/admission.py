@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
 import math
 import time
 from collections.abc import Callable, Sequence
@@ -31,6 +32,9 @@ from corrallm.scheduler.core import (
     Request,
     Scheduler,
 )
+from corrallm.scheduler.leases import Lease, Leases
+
+log = logging.getLogger("corrallm.scheduler")
 
 BUILTIN_DEFAULT = PolicyConfig(queue=True)  # the built-in default group queues (SPEC §2)
 
@@ -83,6 +87,7 @@ class Admission:
         self._ids = itertools.count(1)
         self._waiting: dict[int, asyncio.Future[str]] = {}
         self._running: dict[int, Ticket] = {}
+        self.held = Leases()  # who holds which lease (the core knows lanes only)
 
     def reconfigure(self, config: Config, routes: dict[str, Route]) -> None:
         """A config reload (SPEC §10 P6): lanes and slots change, requests in flight stay."""
@@ -170,27 +175,62 @@ class Admission:
 
     # -- leases (SPEC §7) --------------------------------------------------------------
 
-    def lease(self, group: str, route: Route, slots: int, ttl: float) -> float:
-        """Hold `slots` on the route's backend for `group` (V1); seconds until it expires."""
-        until = self.clock() + ttl
-        self._dispatch(self.core.lease(group, route.id, slots, until, self.clock()))
-        return until
-
-    def leases(self) -> list[tuple[str, Route, int, float]]:
-        """Live leases: (lane, route, slots, seconds left)."""
+    def lease(
+        self,
+        group: str,
+        route: Route,
+        slots: int,
+        ttl: float,
+        holder: str | None = None,
+        ended: Callable[[Lease, float], None] | None = None,
+    ) -> Lease:
+        """Hold `slots` on the route's backend for `group` (V1), as `holder`'s lease (by
+        default the lane's own); a lease of the same holder there is replaced (renewed)
+        and ends now. `ended` hears the slot-seconds the lease held when it ends."""
         now = self.clock()
-        return [
-            (group, self.routes[backend.id], slots, until - now)
-            for backend in self.core.backends.values()
-            for group, (slots, until) in backend.leases.items()
-            if until > now
-        ]
+        lease = Lease(holder or group, group, route, slots, now, now + ttl, ended)
+        old = self.held.put(lease)
+        self._lane(group, route, now)
+        if old is not None:
+            if old.group != group:  # its key moved to another lane (a reload)
+                self._lane(old.group, old.route, now)
+            _end(old, now)
+        return lease
 
-    def unlease(self, group: str, route: Route) -> None:
-        self._dispatch(self.core.unlease(group, route.id, self.clock()))
+    def leases(self) -> list[Lease]:
+        """Live leases."""
+        return self.held.live(self.clock())
+
+    def unlease(self, holder: str, route: Route) -> Lease | None:
+        """End `holder`'s lease on the route's backend early; None if it holds none."""
+        lease = self.held.take(holder, route.id)
+        if lease is not None:
+            now = self.clock()
+            self._lane(lease.group, route, now)
+            _end(lease, now)
+        return lease
 
     def expire_leases(self) -> None:
-        self._dispatch(self.core.expire_leases(self.clock()))
+        now = self.clock()
+        for lease in self.held.expired(now):
+            self._lane(lease.group, lease.route, now)
+            _end(lease, now)
+        self._dispatch(self.core.expire_leases(now))
+
+    def end_leases(self) -> None:
+        """At shutdown: every lease ends now (each told what it held)."""
+        now = self.clock()
+        for lease in self.held.everything():
+            self._lane(lease.group, lease.route, now)
+            _end(lease, now)
+
+    def _lane(self, group: str, route: Route, now: float) -> None:
+        """The core's lease of `group` on the route's backend: its holders' together."""
+        total = self.held.lane(group, route.id)
+        if total is None:
+            self._dispatch(self.core.unlease(group, route.id, now))
+        else:
+            self._dispatch(self.core.lease(group, route.id, total[0], total[1], now))
 
     # -- the machinery -----------------------------------------------------------------
 
@@ -260,6 +300,16 @@ class Admission:
                 "default", PolicyConfig(reject=True)
             )
         return Policy(preempt=chosen.preempt, spill=chosen.spill, queue=chosen.queue)
+
+
+def _end(lease: Lease, now: float) -> None:
+    """Tell the lease's `ended` what it held; its failure must not stop the others'."""
+    if lease.ended is None:
+        return
+    try:
+        lease.ended(lease, lease.slot_seconds(now))
+    except Exception:
+        log.exception("lease of %s on %s: settling it failed", lease.holder, lease.route.id)
 
 
 def _groups(config: Config) -> list[GroupSpec]:

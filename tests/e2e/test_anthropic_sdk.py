@@ -150,7 +150,7 @@ def test_K1_tool_use_reaches_the_backend_as_chat_tools(gw: Gateway) -> None:
     }
     assert post(gw, body).status_code == 200
     # The fake backend's request log, through corrallm's /upstream passthrough.
-    log = httpx.get(gw.url + "/upstream/claude-local/debug/requests", timeout=10).json()
+    log = gw.upstream("GET", "claude-local/debug/requests", timeout=10).json()
     sent = log[-1]
     assert sent["path"] == "/v1/chat/completions"
     assert "x-api-key" not in sent["headers"]  # the caller's key never leaves corrallm

@@ -53,7 +53,7 @@ def test_U2_transcription_upload_is_held_through_a_cold_start_and_forwarded_whol
         model="ears", file=("clip.wav", WAV, "audio/wav"), response_format="text"
     )
     assert "fake transcript" in str(text)
-    seen = httpx.get(gw.url + "/upstream/ears/debug/requests").json()
+    seen = gw.upstream("GET", "ears/debug/requests").json()
     upload = next(q for q in seen if q["path"] == "/v1/audio/transcriptions")
     headers = {k.lower(): v for k, v in upload["headers"].items()}
     assert headers["content-type"].startswith("multipart/form-data; boundary=")

@@ -68,11 +68,8 @@ async def test_U2_realtime_model_from_the_first_session_update(ws_url):
     assert transcript == "heard 1600 bytes"
 
 
-async def test_U3_a_batch_only_model_is_refused_on_realtime(ws_url):
-    with pytest.raises(websockets.exceptions.InvalidStatus) as refused:
-        async with websockets.connect(ws_url + "?model=batch-only"):
-            pass
-    assert refused.value.response.status_code == 403
+async def test_U3_T5_a_batch_only_model_is_refused_on_realtime_before_the_upgrade(ws_url):
+    assert await upgrade_refusal(ws_url + "?model=batch-only") == (404, "model_not_found")
 
 
 async def test_U2_one_slot_per_session_a_second_is_closed_1013_and_idle_sessions_reaped(ws_url):
@@ -161,6 +158,19 @@ async def refusal(ws, model: str) -> tuple[int, str] | str:
     return f"served: {event['type']}"
 
 
+async def upgrade_refusal(url: str, key: str | None = None) -> tuple[int, str | None]:
+    """T5: the HTTP status and error code of an upgrade refused before it was accepted
+    (101 and None when the session was opened)."""
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    try:
+        async with websockets.connect(url, additional_headers=headers, open_timeout=15):
+            return 101, None
+    except websockets.exceptions.InvalidStatus as refused:
+        response = refused.response
+        assert response.headers["content-type"] == "application/json"
+        return response.status_code, json.loads(response.body)["error"]["code"]
+
+
 async def upgrade_status(url: str, key: str | None = None) -> int:
     """The HTTP status of the upgrade (101 when the session was opened)."""
     headers = {"Authorization": f"Bearer {key}"} if key else {}
@@ -240,21 +250,20 @@ models:
 """
 
 
-async def test_S1_realtime_honours_require_keys(gateway_factory):
+async def test_S1_T5_realtime_honours_require_keys_before_the_upgrade(gateway_factory):
     url = ws_of(gateway_factory(KEYS_CONFIG))
-    unknown = {"Authorization": "Bearer nope"}
-    async with websockets.connect(url, additional_headers=unknown) as ws:
-        refused = await refusal(ws, "live")
-    before_upgrade = await upgrade_status(url + "?model=live", "nope")
+    # T5: the key is judged from the head, with or without a model named: an HTTP 401.
+    without_model = await upgrade_refusal(url, "nope")
+    with_model = await upgrade_refusal(url + "?model=live", "nope")
+    anonymous = await upgrade_refusal(url + "?model=live")
     async with websockets.connect(
         url + "?model=live", additional_headers={"X-Corrallm-Key": "good"}
     ) as ws:
         served = json.loads(await asyncio.wait_for(ws.recv(), 10))["type"]
-    code, reason = refused if isinstance(refused, tuple) else (0, refused)
-    assert [code, "scheduler.requireKeys" in reason, before_upgrade, served] == [
-        1008,
-        True,
-        403,
+    assert [without_model, with_model, anonymous, served] == [
+        (401, "invalid_api_key"),
+        (401, "invalid_api_key"),
+        (401, "invalid_api_key"),
         "transcription_session.created",
     ]
 
@@ -283,12 +292,12 @@ async def test_S6_realtime_honours_the_lanes_spend_limit(gateway_factory):
     await until(lambda: spent(gw, "capped") > 0.000001, 15, "the first session's cost settled")
     async with websockets.connect(ws_of(gw), additional_headers=key) as ws:
         refused = await refusal(ws, "live")
-    before_upgrade = await upgrade_status(ws_of(gw) + "?model=live", "ckey")
+    before_upgrade = await upgrade_refusal(ws_of(gw) + "?model=live", "ckey")
     code, reason = refused if isinstance(refused, tuple) else (0, refused)
     assert [code, reason.startswith("spend_limit: retry after"), before_upgrade] == [
         1013,
         True,
-        403,
+        (429, "spend_limit"),
     ]
 
 
@@ -306,7 +315,7 @@ models:
     paused = await asyncio.to_thread(gw.api, "POST", "models/pause", {"model": "remote"})
     async with websockets.connect(ws_of(gw)) as ws:
         refused = await refusal(ws, "remote")
-    before_upgrade = await upgrade_status(ws_of(gw) + "?model=remote")
+    before_upgrade = await upgrade_refusal(ws_of(gw) + "?model=remote")
     await asyncio.to_thread(gw.api, "POST", "models/unpause", {"model": "remote"})
     after_unpause = await upgrade_status(ws_of(gw) + "?model=remote")
     code, reason = refused if isinstance(refused, tuple) else (0, refused)
@@ -315,6 +324,37 @@ models:
         200,
         1008,
         True,
-        403,
+        (503, "paused"),
         101,
     ]
+
+
+async def test_T5_realtime_unknown_models_are_refused_before_the_upgrade(ws_url):
+    assert await upgrade_refusal(ws_url + "?model=" + "n" * 300) == (404, "model_not_found")
+    assert await upgrade_refusal(ws_url + "?model=live", "skey") == (101, None)
+
+
+SILENT_CONFIG = f"""
+realtime: {{idleTimeout: 60s, maxDuration: 1h}}
+commandCosts: {{stt: {{modality: audio}}}}
+models:
+  live: {{backends: [{{cmd: "{fake_cmd()}", proxy: "${{PORT}}", type: stt, maxConcurrent: 2}}]}}
+"""
+
+
+async def test_T5_a_session_that_sends_no_event_within_10s_is_closed_1008(gateway_factory):
+    url = ws_of(gateway_factory(SILENT_CONFIG))
+
+    async def silent(model: str | None) -> tuple[int, str, float]:
+        async with websockets.connect(url + (f"?model={model}" if model else "")) as ws:
+            opened = time.monotonic()
+            with pytest.raises(websockets.exceptions.ConnectionClosed) as closed:
+                while True:  # the backend's `created` event may come; the client says nothing
+                    await asyncio.wait_for(ws.recv(), 20)
+            assert closed.value.rcvd is not None
+            return closed.value.rcvd.code, closed.value.rcvd.reason, time.monotonic() - opened
+
+    named, unnamed = await asyncio.gather(silent("live"), silent(None))
+    for code, reason, after in (named, unnamed):
+        assert (code, reason) == (1008, "no event within 10s of the upgrade")
+        assert 9.5 <= after <= 13  # not the idleTimeout (60 s)

@@ -53,7 +53,7 @@ models:
 
 def upstream_stats(gw: Gateway, model: str = "chat") -> dict[str, int]:
     """The fake backend's own counters, through the untracked /upstream passthrough."""
-    return httpx.get(f"{gw.url}/upstream/{model}/debug/stats", timeout=10).json()
+    return gw.upstream("GET", f"{model}/debug/stats", timeout=10).json()
 
 
 def post_raw(gw: Gateway, payload: dict[str, object]) -> RawClient:

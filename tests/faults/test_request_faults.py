@@ -93,11 +93,15 @@ def request_line_echo() -> Iterator[str]:
         thread.join(10)
 
 
-def raw_get(url: str, target: str) -> bytes:
-    """GET `target` exactly as written (no client re-encoding); the whole answer's body."""
+def raw_get(url: str, target: str, token: str) -> bytes:
+    """GET `target` exactly as written (no client re-encoding), as an operator (`token`);
+    the whole answer's body."""
     host, port = url.removeprefix("http://").split(":")
     with socket.create_connection((host, int(port)), timeout=30) as sock:
-        request = f"GET {target} HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n\r\n"
+        request = (
+            f"GET {target} HTTP/1.1\r\nHost: {host}\r\nAuthorization: Bearer {token}\r\n"
+            "Connection: close\r\n\r\n"
+        )
         sock.sendall(request.encode("latin-1"))
         answer = b""
         while chunk := sock.recv(65536):
@@ -109,5 +113,5 @@ def raw_get(url: str, target: str) -> bytes:
 def test_upstream_passthrough_forwards_the_raw_path_percent_escapes_and_all(gateway_factory):
     with request_line_echo() as backend:
         gw = gateway_factory(f'models: {{raw: {{backends: [{{proxy: "{backend}"}}]}}}}')
-        answer = raw_get(gw.url, "/upstream/raw/files/my%20doc%3Fv2?x=1")
+        answer = raw_get(gw.url, "/upstream/raw/files/my%20doc%3Fv2?x=1", gw.token)
     assert answer == b"HTTP/1.1 200 OK | GET /files/my%20doc%3Fv2?x=1 HTTP/1.1"

@@ -46,7 +46,7 @@ def activity(gw: Gateway, count: int) -> list[dict[str, object]]:
 
 
 def stats(gw: Gateway) -> dict[str, int]:
-    return httpx.get(f"{gw.url}/upstream/chat/debug/stats", timeout=10).json()
+    return gw.upstream("GET", "chat/debug/stats", timeout=10).json()
 
 
 def stream(gw: Gateway, key: str | None = None) -> tuple[bytes, list[tuple[float, bytes]]]:

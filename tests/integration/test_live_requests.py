@@ -86,9 +86,13 @@ def test_O1_a_running_stream_and_a_queued_request_are_listed_and_each_cancel_end
 
 
 def test_O1_every_answer_carries_its_request_id_and_its_row_the_same(gateway_factory):
-    gw = gateway_factory(config())
+    gw = gateway_factory(config() + "keys: {caller: {secret: caller-secret}}\n")
     served = httpx.post(gw.v1 + "/chat/completions", json={"model": "slow", **CHAT}, timeout=30)
-    missing = httpx.post(gw.v1 + "/chat/completions", json={"model": "nope", **CHAT}, timeout=30)
+    # A configured key's (T5: a stranger's request for a model nobody serves leaves no row).
+    keyed = {"Authorization": "Bearer caller-secret"}
+    missing = httpx.post(
+        gw.v1 + "/chat/completions", json={"model": "nope", **CHAT}, headers=keyed, timeout=30
+    )
     bad = httpx.post(gw.v1 + "/chat/completions", content=b"{not json", timeout=30)
     ids = [r.headers.get("x-corrallm-request-id") for r in (served, missing, bad)]
     assert [r.status_code for r in (served, missing, bad)] == [200, 404, 400]

@@ -522,7 +522,7 @@ def test_X3_lanes_keep_their_weights_on_the_node(cluster: Cluster) -> None:
     g, b = cluster.gateway, cluster.node("b")
     assert b.api("POST", "models/load", {"model": "f"}).status_code == 200
     before = last_id(b, "f")
-    httpx.delete(b.url + "/upstream/f/debug/requests", timeout=10)
+    b.upstream("DELETE", "f/debug/requests", timeout=10)
     gold, lead = 90, 10
     results = asyncio.run(_flood(g, {"gold-key": gold, "lead-key": lead}))
     assert all(isinstance(r, openai.types.chat.ChatCompletion) for r in results), [
@@ -544,7 +544,7 @@ def test_X3_lanes_keep_their_weights_on_the_node(cluster: Cluster) -> None:
     assert abs(ratio - 10) <= 1.0, order
     assert all(r["key"] is None for r in rows)  # the caller's key stays at the gateway
     # Nothing of the caller's identity reached the node's backend either.
-    for seen_request in httpx.get(b.url + "/upstream/f/debug/requests", timeout=10).json():
+    for seen_request in b.upstream("GET", "f/debug/requests", timeout=10).json():
         names = set(seen_request["headers"])
         assert not names & {"authorization", "x-api-key", "x-corrallm-key", "cookie"}, names
         assert not names & {"x-corrallm-lane", "x-corrallm-lane-signature"}, names

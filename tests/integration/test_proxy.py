@@ -35,13 +35,13 @@ models:
 
 
 def recorded(gw, model: str = "chat") -> list[dict]:
-    r = httpx.get(f"{gw.url}/upstream/{model}/debug/requests", timeout=10)
+    r = gw.upstream("GET", f"{model}/debug/requests", timeout=10)
     assert r.status_code == 200, r.text
     return r.json()["requests"] if isinstance(r.json(), dict) else r.json()
 
 
 def stats(gw, model: str = "chat") -> dict:
-    return httpx.get(f"{gw.url}/upstream/{model}/debug/stats", timeout=10).json()
+    return gw.upstream("GET", f"{model}/debug/stats", timeout=10).json()
 
 
 def test_models_lists_served_models_with_aliases_and_hides_unlisted(gateway_factory):
@@ -125,11 +125,11 @@ def test_health_and_healthz_answer(gateway_factory):
 
 def test_upstream_passthrough_loads_the_backend_and_keeps_the_query_string(gateway_factory):
     gw = gateway_factory(config())
-    r = httpx.get(gw.url + "/upstream/chat/props?x=1&y=two", timeout=30)
+    r = gw.upstream("GET", "chat/props?x=1&y=two", timeout=30)
     assert r.status_code == 200 and r.json()["total_slots"] == 1
     seen = recorded(gw)
     assert any(q["path"] == "/props" and q["query"] == "x=1&y=two" for q in seen)
-    page = httpx.get(gw.url + "/upstream/chat-model/", timeout=10)
+    page = gw.upstream("GET", "chat-model/", timeout=10)
     assert page.status_code == 200 and "html" in page.headers["content-type"]
 
 

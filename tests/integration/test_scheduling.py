@@ -3,6 +3,7 @@ reservations, fall-through and degrade. The openai SDK is the client where it ma
 
 from __future__ import annotations
 
+import hashlib
 import threading
 
 import httpx
@@ -138,7 +139,7 @@ def test_S4_a_victim_that_sent_nothing_is_requeued_and_its_client_only_waits(gat
     victim.join(30)
     assert done == ["taker", "victim"]  # it did not wait out the victim's 2 s
     assert out["result"].status_code == 200  # the victim's client saw only a delay
-    stats = httpx.get(gw.url + "/upstream/m/debug/stats").json()
+    stats = gw.upstream("GET", "m/debug/stats").json()
     assert stats["cancelled"] >= 1 and stats["completed"] >= 2
 
 
@@ -213,7 +214,7 @@ def test_S4_only_lower_weight_interruptible_lanes_are_preempted(gateway_factory)
     done.append("interactive")
     holder.join(30)
     assert out["result"].status_code == 200
-    stats = httpx.get(gw.url + "/upstream/m/debug/stats").json()
+    stats = gw.upstream("GET", "m/debug/stats").json()
     assert stats["cancelled"] == 0 and done == ["holder", "interactive"]
 
 
@@ -223,16 +224,17 @@ def test_V1_V2_V3_reservations_hold_slots_for_one_lane(gateway_factory):
         env={"CORRALLM_RESERVATION_MAX_TTL": "30s"},
     )
     url = gw.v1 + "/reservations"
+    bkey = {"X-Corrallm-Key": "bkey"}
     assert httpx.post(url, json={"model": "m"}).status_code == 401  # unkeyed
-    too_many = httpx.post(url, json={"model": "m", "slots": 3}, headers={"X-Corrallm-Key": "bkey"})
+    too_many = httpx.post(url, json={"model": "m", "slots": 3}, headers=bkey)
     assert too_many.status_code == 400 and too_many.json()["error"]["param"] == "slots"
-    lease = httpx.post(url, json={"model": "m", "ttl": "1h"}, headers={"X-Corrallm-Key": "bkey"})
+    lease = httpx.post(url, json={"model": "m", "ttl": "1h"}, headers=bkey)
     assert lease.status_code == 200
     body = lease.json()
     assert (body["model"], body["lane"], body["slots"]) == ("m", "batch", 1)
     assert body["renew_within_seconds"] == 15 and body["expires_at"].endswith("Z")  # capped
-    listed = httpx.get(url).json()["data"]
-    assert [(x["lane"], x["slots"]) for x in listed] == [("batch", 1)]
+    listed = httpx.get(url, headers=bkey).json()["data"]
+    assert [(x["lane"], x["key"], x["slots"]) for x in listed] == [("batch", BKEY_NAME, 1)]
 
     # Other lanes now see one slot: a second strict request is turned away...
     holder, _ = in_background(post, gw, "skey")
@@ -242,19 +244,115 @@ def test_V1_V2_V3_reservations_hold_slots_for_one_lane(gateway_factory):
     assert post(gw, "bkey").status_code == 200
     holder.join(30)
 
-    released = httpx.delete(url, params={"model": "m"}, headers={"X-Corrallm-Key": "bkey"})
-    assert released.status_code == 200 and httpx.get(url).json()["data"] == []
+    released = httpx.delete(url, params={"model": "m"}, headers=bkey)
+    assert released.status_code == 200 and httpx.get(url, headers=bkey).json()["data"] == []
+
+
+# T1: a short-form key `bkey: batch` is named key-<first 8 hex of its SHA-256>.
+BKEY_NAME = "key-" + hashlib.sha256(b"bkey").hexdigest()[:8]
 
 
 def test_V3_an_expired_lease_is_reaped(gateway_factory):
     gw = gateway_factory(GROUPS + model(max_concurrent=2))
-    r = httpx.post(
-        gw.v1 + "/reservations",
-        json={"model": "m", "ttl": "1s"},
-        headers={"X-Corrallm-Key": "ikey"},
-    )
+    ikey = {"X-Corrallm-Key": "ikey"}
+    r = httpx.post(gw.v1 + "/reservations", json={"model": "m", "ttl": "1s"}, headers=ikey)
     assert r.status_code == 200
-    wait_for(lambda: httpx.get(gw.v1 + "/reservations").json()["data"] == [], 10, what="reaped")
+    reaped = lambda: httpx.get(gw.v1 + "/reservations", headers=ikey).json()["data"] == []  # noqa: E731
+    wait_for(reaped, 10, what="reaped")
+
+
+CAPPED = """
+priorityGroups:
+  team: {reservations: {maxSlots: 2}}
+  solo: {}
+keys:
+  ann: {secret: ann-secret, group: team}
+  bob: {secret: bob-secret, group: team}
+  sol: {secret: sol-secret, group: solo}
+"""
+
+
+def reserve(gw, secret: str, **body) -> httpx.Response:
+    headers = {"Authorization": f"Bearer {secret}"}
+    return httpx.post(gw.v1 + "/reservations", json={"model": "m", **body}, headers=headers)
+
+
+def mine(gw, secret: str) -> list[tuple[str, int]]:
+    headers = {"Authorization": f"Bearer {secret}"}
+    listed = httpx.get(gw.v1 + "/reservations", headers=headers).json()["data"]
+    return [(x["key"], x["slots"]) for x in listed]
+
+
+def test_T5_a_lanes_callers_hold_at_most_max_slots_and_see_only_their_own_leases(
+    gateway_factory,
+):
+    gw = gateway_factory(CAPPED + model(max_concurrent=3))
+    assert reserve(gw, "ann-secret").status_code == 200
+    over = reserve(gw, "bob-secret", slots=2)  # the lane would hold 3 > maxSlots 2
+    assert over.status_code == 409 and over.json()["error"]["code"] == "reservation_limit"
+    assert "maxSlots" in over.json()["error"]["message"]
+    # More than the backend has is still a bad request, judged before the cap.
+    assert reserve(gw, "bob-secret", slots=4).status_code == 400
+    assert reserve(gw, "bob-secret").status_code == 200
+    # A renewal replaces its own lease: ann's 1 becomes 1 again, not 2.
+    assert reserve(gw, "ann-secret").status_code == 200
+    assert reserve(gw, "ann-secret", slots=2).status_code == 409
+    # The default cap is one slot: sol's lane (no `reservations`) may hold one.
+    assert reserve(gw, "sol-secret", slots=2).status_code == 409
+    assert reserve(gw, "sol-secret").status_code == 200
+    # Each key lists its own lease only; the operator sees them all, by key.
+    assert [mine(gw, "ann-secret"), mine(gw, "bob-secret")] == [[("ann", 1)], [("bob", 1)]]
+    every = gw.api("GET", "reservations").json()["reservations"]
+    assert sorted((r["key"], r["lane"]) for r in every) == [
+        ("ann", "team"),
+        ("bob", "team"),
+        ("sol", "solo"),
+    ]
+    assert httpx.get(gw.v1 + "/reservations").status_code == 401  # whose would it list?
+    # bob releases his own; ann's stays, and bob cannot release it.
+    bob = {"Authorization": "Bearer bob-secret"}
+    assert httpx.delete(gw.v1 + "/reservations?model=m", headers=bob).status_code == 200
+    assert httpx.delete(gw.v1 + "/reservations?model=m", headers=bob).status_code == 404
+    assert mine(gw, "ann-secret") == [("ann", 1)]
+    assert reserve(gw, "bob-secret").status_code == 200  # the lane's room is back
+
+
+PRICED = """
+costPerKwh: 1.0
+commandCosts: {chat: {slotWatts: 3600}}   # a slot-hour is 3.6 kWh: $0.001 a slot-second
+priorityGroups:
+  team: {spendLimit: {usd: 0.01, window: 1h}, reservations: {maxSlots: 2}}
+keys:
+  ann: {secret: ann-secret, group: team}
+"""
+
+
+def lease_rows(gw) -> list[dict]:
+    rows = gw.api("GET", "activity?since=0&key=ann").json()["rows"]
+    return [r for r in rows if r["endpoint"] == "/v1/reservations"]
+
+
+def test_T5_leased_slot_seconds_count_against_the_lanes_spend(gateway_factory):
+    gw = gateway_factory(PRICED + model(max_concurrent=2))
+    ann = {"Authorization": "Bearer ann-secret"}
+    # 2 slots for 3 s: $0.006 reserved against the $0.01 limit while it is held...
+    assert reserve(gw, "ann-secret", slots=2, ttl="3s").status_code == 200
+    # ...so a renewal whose estimate ($0.005) would pass the limit is refused.
+    refused = reserve(gw, "ann-secret", slots=1, ttl="5s")
+    assert refused.status_code == 429 and refused.json()["error"]["code"] == "spend_limit"
+    # Released early, it costs the slot-seconds it held, as one visit.
+    assert httpx.delete(gw.v1 + "/reservations?model=m", headers=ann).status_code == 200
+    rows = wait_for(lambda: lease_rows(gw), 10, what="the lease's activity row")
+    assert [(r["model"], r["backend"], r["status"]) for r in rows] == [("m", "main", 200)]
+    held = rows[0]["cost_usd"]
+    assert 0 < held < 0.006  # 2 slots x under 3 s x $0.001
+    assert lane(gw, "team")["spend_usd_window"] == pytest.approx(held, abs=1e-6)
+    # A lease that expires is settled by the reaper: 1 slot x 1 s = $0.001.
+    assert reserve(gw, "ann-secret", slots=1, ttl="1s").status_code == 200
+    rows = wait_for(lambda: len(lease_rows(gw)) == 2 and lease_rows(gw), 10, what="expired")
+    assert rows[0]["cost_usd"] == pytest.approx(0.001, rel=0.05)
+    spent = lane(gw, "team")["spend_usd_window"]
+    assert spent == pytest.approx(held + rows[0]["cost_usd"], abs=1e-6)
 
 
 SLOW = fake_cmd("--latency", "1.5")

@@ -144,6 +144,19 @@ class Gateway:
             timeout=timeout,
         )
 
+    def upstream(
+        self, method: str, path: str, timeout: float = 60, **kwargs: object
+    ) -> httpx.Response:
+        """`/upstream/<path>` (a backend's own API) as an operator: with the admin token
+        (SPEC §22 T5)."""
+        return httpx.request(
+            method,
+            f"{self.url}/upstream/{path}",
+            headers={"Authorization": f"Bearer {self.token}"},
+            timeout=timeout,
+            **kwargs,  # type: ignore[arg-type]
+        )
+
     def overview_backend(self, backend: str) -> dict[str, object]:
         for model in self.api("GET", "overview").json()["models"]:
             for b in model["backends"]:

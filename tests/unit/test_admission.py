@@ -319,3 +319,31 @@ async def test_K6_a_conversation_that_waited_is_remembered_where_it_was_admitted
     adm.release(next(t for t in running if t.route.id == "b1"))  # it queued on b1
     await settle()
     assert [outcome(waiting), adm.sessions.get(("m", "chat-x"))] == ["on b1", "b1"]
+
+
+async def test_T5_a_lanes_leases_are_its_holders_together_each_told_what_it_held():
+    b = route("b", slots=4)
+    adm, clock = admission(b, groups={"team": PriorityGroup()})
+    told: list[tuple[str, float]] = []
+
+    def ended(lease, slot_seconds: float) -> None:
+        told.append((lease.holder, slot_seconds))
+
+    adm.lease("team", b, 1, ttl=10.0, holder="ann", ended=ended)
+    adm.lease("team", b, 2, ttl=30.0, holder="bob", ended=ended)
+    both = dict(adm.core.backends["b"].leases)
+    clock.now = 5.0
+    adm.lease("team", b, 1, ttl=10.0, holder="ann", ended=ended)  # renewed: its 5 s end
+    clock.now = 15.0
+    adm.expire_leases()  # ann's renewal (1 slot, 5 s to 15 s) expires: 10 slot-seconds
+    bob_only = dict(adm.core.backends["b"].leases)
+    released = adm.unlease("bob", b)
+    assert adm.unlease("bob", b) is None
+    assert [both, bob_only, told, adm.core.backends["b"].leases, adm.held.held("team")] == [
+        {"team": (3, 30.0)},
+        {"team": (2, 30.0)},
+        [("ann", 5.0), ("ann", 10.0), ("bob", 30.0)],
+        {},
+        0,
+    ]
+    assert released is not None and released.holder == "bob"

@@ -70,3 +70,25 @@ def test_spend_estimate_uses_max_tokens_or_a_default(setup):
         (1000 * 0.15 + 100 * 0.60) / 1e6 * 1.5
     )
     assert model.estimate(b["paid"], 0, None) == pytest.approx(256 * 0.60 / 1e6 * 1.5)
+
+
+def test_T5_a_lease_costs_its_slot_seconds_at_the_backends_price():
+    config = load_config_text(
+        """
+costPerKwh: 0.20
+commandCosts: {chat: {slotWatts: 180}, free: {}, hosted: {paid: true}}
+models:
+  local: {backends: [{proxy: 9001, type: chat}]}
+  unpriced: {backends: [{proxy: 9002, type: free}]}
+  paid:
+    backends:
+      - {proxy: "https://api.example.com", type: hosted, costFactor: 2,
+         pricing: {inputPerMillion: 1, perSlotHour: 0.5}}
+"""
+    )
+    model = CostModel(config)
+    b = {n: m.backends[0] for n, m in config.models.items()}
+    local = model.lease(b["local"], slot_seconds=2 * 3600)  # 2 slot-hours at 180 W
+    assert (local.energy_wh, local.cost_usd) == pytest.approx((360, 360 * 0.20 / 1000))
+    assert model.lease(b["unpriced"], 7200).cost_usd == 0
+    assert model.lease(b["paid"], 1800).cost_usd == pytest.approx(0.5 * 0.5 * 2)
