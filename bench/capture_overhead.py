@@ -26,7 +26,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from overhead import PY, Bench, Procs, cpu_plan, free_port
+from overhead import PY, Bench, Procs, cpu_plan, free_port, start_fast_backend
 
 PROMPT = [{"role": "user", "content": "Hello, how are you today?"}]
 MODES = ("none", "errors", "all")
@@ -151,10 +151,7 @@ def main(argv: list[str]) -> int:
     with tempfile.TemporaryDirectory(prefix="corrallm-bench-capture-") as tmp:
         procs = Procs(Path(tmp), {} if args.no_pin else cpu_plan())
         try:
-            fast_port = free_port()
-            cmd = [PY, "-m", "corrallm", "fake-backend", "--port", str(fast_port), "--fast"]
-            fast = procs.start("fast", cmd, "backend")
-            procs.wait_healthy("fast", fast, f"http://127.0.0.1:{fast_port}/health")
+            fast_port = start_fast_backend(procs)
             urls = {mode: start_corrallm(procs, mode, fast_port) for mode in MODES}
             bench = Bench(args, procs, time.monotonic() + 900)
             res = measure(bench, urls, args)

@@ -24,7 +24,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from overhead import PY, Bench, Procs, cpu_plan, free_port, start_corrallm
+from overhead import Bench, Procs, cpu_plan, start_corrallm, start_fast_backend
 
 PROMPT = [{"role": "user", "content": "Hello, how are you today?"}]
 TOKENS = 16
@@ -92,11 +92,7 @@ def main(argv: list[str]) -> int:
     with tempfile.TemporaryDirectory(prefix="corrallm-bench-messages-") as tmp:
         procs = Procs(Path(tmp), {} if args.no_pin else cpu_plan())
         try:
-            fast_port = free_port()
-            cmd = [PY, "-m", "corrallm", "fake-backend", "--port", str(fast_port), "--fast"]
-            cmd += ["--tokens", str(TOKENS)]
-            fast = procs.start("fast", cmd, "backend")
-            procs.wait_healthy("fast", fast, f"http://127.0.0.1:{fast_port}/health")
+            fast_port = start_fast_backend(procs, "--tokens", str(TOKENS))
             target = start_corrallm(procs, fast_port, fast_port)
             bench = Bench(args, procs, time.monotonic() + 600)
             base = target.chat_url.removesuffix("/v1/chat/completions")

@@ -362,6 +362,15 @@ def fake_answers(tokens: int = STREAM_TOKENS) -> tuple[bytes, list[bytes], int]:
     return body, events, first
 
 
+def start_fast_backend(procs: Procs, *flags: str) -> int:
+    """`corrallm fake-backend --fast` (the companion benchmarks' upstream); its port."""
+    port = free_port()
+    cmd = [PY, "-m", "corrallm", "fake-backend", "--port", str(port), "--fast", *flags]
+    fast = procs.start("fast", cmd, "backend")
+    procs.wait_healthy("fast", fast, f"http://127.0.0.1:{port}/health")
+    return port
+
+
 def start_static_upstream(procs: Procs, nginx: str) -> tuple[int, Any]:
     """nginx answering every request with the static chat completion; its port and process."""
     body = fake_answers()[0].decode()

@@ -27,7 +27,7 @@ its concurrency and its fallback while the database cannot be reached.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from contextlib import suppress
 from dataclasses import dataclass, field
 from typing import Literal
@@ -245,25 +245,25 @@ class Limiter:
 
     def release(self, hold: Hold, used: int, now: float) -> None:
         """The request is over: its metered tokens replace its estimate, its place is free."""
-        for subject in hold.subjects:
-            window = self._windows.get(subject)
-            if window is None:
-                continue
-            window.held = max(0, window.held - 1)
-            window.reserved = max(0, window.reserved - hold.tokens)
+        for subject, window in self._held(hold):
             if used > 0:
                 window.spent.append((now, used))
                 window.used += used
             self._tidy(subject, window, now)
 
-    def cancel(self, hold: Hold, now: float) -> None:
-        """Undo `take`: the request was not admitted after all (a shared store refused it)."""
+    def _held(self, hold: Hold) -> Iterator[tuple[str, Window]]:
+        """Each window `hold` is in, its place and its estimate given back."""
         for subject in hold.subjects:
             window = self._windows.get(subject)
             if window is None:
                 continue
             window.held = max(0, window.held - 1)
             window.reserved = max(0, window.reserved - hold.tokens)
+            yield subject, window
+
+    def cancel(self, hold: Hold, now: float) -> None:
+        """Undo `take`: the request was not admitted after all (a shared store refused it)."""
+        for subject, window in self._held(hold):
             with suppress(ValueError):  # else already out of the window
                 window.requests.remove(hold.at)
             self._tidy(subject, window, now)

@@ -36,12 +36,13 @@ def partial_body(
     gw: Gateway, path: str, declared: int, sent: bytes, content_type: str = "application/json"
 ) -> Iterator[socket.socket]:
     """A connection that sent a head declaring `declared` body bytes and then `sent` of
-    them, and nothing more."""
+    them, and nothing more. `/upstream` is the operator's: it carries the admin token."""
     sock = socket.create_connection(("127.0.0.1", port_of(gw)), timeout=10)
+    auth = f"Authorization: Bearer {gw.token}\r\n" if path.startswith("/upstream/") else ""
     try:
         head = (
             f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: {content_type}\r\n"
-            f"Content-Length: {declared}\r\n\r\n"
+            f"{auth}Content-Length: {declared}\r\n\r\n"
         ).encode()
         sock.sendall(head + sent)
         yield sock
