@@ -52,10 +52,14 @@ def keys_config() -> str:
         "    group: team",
         f"    models: [{allow}]",
         "    limits: {rpm: 100000000, tpm: 100000000000, concurrent: 10000}",
-        "priorityGroups: {team: {weight: 1}}",
-        "scheduler: {requireKeys: true}",
+        "scheduler: {requireKeys: true, defaultGroup: team}",
     ]
     return "\n".join(lines) + "\n"
+
+
+# Both gateways serve their callers in the same lane (a configured group), so that the
+# keys, their allowlist and their limits are all that differs.
+LANE = "priorityGroups: {team: {weight: 1}}\n"
 
 
 def start_corrallm(procs: Procs, mode: str, fast_port: int) -> str:
@@ -64,7 +68,9 @@ def start_corrallm(procs: Procs, mode: str, fast_port: int) -> str:
     model = (
         f"  bench: {{backends: [{{proxy: 'http://127.0.0.1:{fast_port}', maxConcurrent: 1000}}]}}"
     )
-    config.write_text(f"models:\n{model}\n" + (keys_config() if mode == "keys" else ""))
+    plain = "scheduler: {defaultGroup: team}\n"
+    policy = keys_config() if mode == "keys" else plain
+    config.write_text(f"models:\n{model}\n{LANE}{policy}")
     home = procs.tmp / f"home-{mode.replace(' ', '-')}"
     cmd = [PY, "-m", "corrallm", "serve", "--config", str(config), "--home", str(home)]
     name = f"corrallm-{mode.replace(' ', '-')}"

@@ -419,7 +419,10 @@ def _answering(send: Send, exchange: Exchange) -> Send:
         capture = exchange.capture
         if message["type"] == "http.response.start":
             exchange.answered = True
-            headers = [*message.get("headers", ()), (HEADER, rid), *(exchange.headers or ())]
+            extra = exchange.headers
+            if extra is None and exchange.counts is not None:
+                extra = exchange.counts.headers()  # answered before its limits counted it
+            headers = [*message.get("headers", ()), (HEADER, rid), *(extra or ())]
             message = {**message, "headers": headers}
             if capture is not None:
                 capture.start(message["status"], headers)

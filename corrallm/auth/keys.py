@@ -11,15 +11,17 @@ across both.
 
 from __future__ import annotations
 
+import fnmatch
 import hashlib
 import hmac
+import re
 import secrets
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, date, datetime, time, timedelta
-from fnmatch import fnmatchcase
 from typing import Literal
 
+from corrallm.auth.limits import Ask, limited
 from corrallm.config.schema import ApiKey, KeyLimits, SpendLimit
 
 Source = Literal["config", "api"]
@@ -73,15 +75,27 @@ class Identity:
     prefix: str | None = None  # the secret's first characters (runtime keys only)
     created: float | None = None
     short: bool = False  # written in the config as `<secret>: <group>`
+    # The allowlist's globs as one compiled pattern: one match per name on the hot path,
+    # not one glob after another (20 globs cost a request ~8 % of its throughput).
+    _allowed: re.Pattern[str] | None = field(default=None, init=False, repr=False, compare=False)
+    # T3: what the key's own limits count it in, made once (auth/throttle.asks_of).
+    asks: tuple[Ask, ...] = field(default=(), init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if limited(self.limits):
+            assert self.limits is not None
+            object.__setattr__(self, "asks", (Ask("key:" + self.name, self.limits),))
+        if self.models:
+            joined = "|".join(f"(?:{fnmatch.translate(glob)})" for glob in self.models)
+            object.__setattr__(self, "_allowed", re.compile(joined))
 
     def expired(self, now: float) -> bool:
         return self.expires is not None and now >= self.expires
 
     def allows(self, names: Iterable[str]) -> bool:
         """T3: whether a model known by these names (its own and its aliases) is allowed."""
-        if not self.models:
-            return True
-        return any(fnmatchcase(n, glob) for n in names for glob in self.models)
+        allowed = self._allowed
+        return allowed is None or any(allowed.match(n) is not None for n in names)
 
     @property
     def limited(self) -> bool:

@@ -80,11 +80,11 @@ class Remaining:
         """OpenAI's header names, for the limits there are."""
         out: list[tuple[bytes, bytes]] = []
         if self.limit_requests is not None and self.requests is not None:
-            out.append((b"x-ratelimit-limit-requests", str(self.limit_requests).encode()))
-            out.append((b"x-ratelimit-remaining-requests", str(self.requests).encode()))
+            out.append((b"x-ratelimit-limit-requests", b"%d" % self.limit_requests))
+            out.append((b"x-ratelimit-remaining-requests", b"%d" % self.requests))
         if self.limit_tokens is not None and self.tokens is not None:
-            out.append((b"x-ratelimit-limit-tokens", str(self.limit_tokens).encode()))
-            out.append((b"x-ratelimit-remaining-tokens", str(self.tokens).encode()))
+            out.append((b"x-ratelimit-limit-tokens", b"%d" % self.limit_tokens))
+            out.append((b"x-ratelimit-remaining-tokens", b"%d" % self.tokens))
         return out
 
 
@@ -243,13 +243,66 @@ class Limiter:
         refused = self.judge(asks, estimate, now)
         return refused if refused is not None else self.take(asks, estimate, now)
 
+    def counted(
+        self, asks: Sequence[Ask], estimate: int, now: float
+    ) -> tuple[Hold, Remaining] | Refused:
+        """`admit` and `remaining` after it, in one pass over the windows: the hot path of
+        a key with limits (the same rules as `breach`; a refusal is judged by `judge`)."""
+        windows = []
+        for ask in asks:
+            window = self._windows.get(ask.subject)
+            if window is None:
+                window = Window()
+            else:
+                window.expire(now)
+            limits = ask.limits
+            tpm, rpm, concurrent = limits.tpm, limits.rpm, limits.concurrent
+            if (
+                (tpm is not None and window.used + window.reserved + estimate > tpm)
+                or (concurrent is not None and window.held >= concurrent)
+                or (rpm is not None and len(window.requests) >= rpm)
+            ):
+                refused = self.judge(asks, estimate, now)
+                assert refused is not None, "the same rules as breach()"
+                return refused
+            windows.append(window)
+        requests: tuple[int, int] | None = None  # (left, limit) in the tightest subject
+        tokens: tuple[int, int] | None = None
+        for ask, window in zip(asks, windows, strict=True):
+            self._windows[ask.subject] = window
+            window.requests.append(now)
+            window.reserved += estimate
+            window.held += 1
+            limits = ask.limits
+            if limits.rpm is not None:
+                left = (max(0, limits.rpm - len(window.requests)), limits.rpm)
+                requests = left if requests is None or left < requests else requests
+            if limits.tpm is not None:
+                left = (max(0, limits.tpm - window.used - window.reserved), limits.tpm)
+                tokens = left if tokens is None or left < tokens else tokens
+        hold = Hold(tuple(a.subject for a in asks), estimate, now)
+        return hold, Remaining(
+            requests[1] if requests else None,
+            requests[0] if requests else None,
+            tokens[1] if tokens else None,
+            tokens[0] if tokens else None,
+        )
+
     def release(self, hold: Hold, used: int, now: float) -> None:
         """The request is over: its metered tokens replace its estimate, its place is free."""
-        for subject, window in self._held(hold):
+        windows = self._windows
+        for subject in hold.subjects:
+            window = windows.get(subject)
+            if window is None:
+                continue
+            window.held -= 1
+            window.reserved -= hold.tokens
             if used > 0:
                 window.spent.append((now, used))
                 window.used += used
-            self._tidy(subject, window, now)
+            window.expire(now)
+            if window.idle:
+                del windows[subject]
 
     def _held(self, hold: Hold) -> Iterator[tuple[str, Window]]:
         """Each window `hold` is in, its place and its estimate given back."""

@@ -53,14 +53,22 @@ def asks_of(identity: Identity | None, user: str | None) -> tuple[Ask, ...]:
     and its `perUser` limits for the user behind it (T4); () when it has none."""
     if identity is None or identity.limits is None:
         return ()
-    limits = identity.limits
-    asks = []
-    if limited(limits):
-        asks.append(Ask("key:" + identity.name, limits))
-    if user is not None and limited(limits.per_user):
-        assert limits.per_user is not None
-        asks.append(Ask(f"key:{identity.name}/user:{user}", limits.per_user))
-    return tuple(asks)
+    per_user = identity.limits.per_user
+    if user is None or not limited(per_user):
+        return identity.asks
+    assert per_user is not None
+    return (*identity.asks, Ask(f"key:{identity.name}/user:{user}", per_user))
+
+
+@dataclass(frozen=True, slots=True)
+class Peek:
+    """A key's counts, read only when an answer that did not count it starts."""
+
+    throttle: Throttle
+    asks: Sequence[Ask]
+
+    def headers(self) -> list[tuple[bytes, bytes]]:
+        return self.throttle.peek(self.asks).headers()
 
 
 @dataclass(slots=True)
@@ -88,18 +96,44 @@ class Throttle:
         403 or 404). This gateway's own count (no round trip on a shared store)."""
         return self.core.remaining(asks, time.time())
 
+    def counts(self, asks: Sequence[Ask]) -> Peek:
+        """The counts an answer given before the limits were asked reports (read then)."""
+        return Peek(self, asks)
+
+    def admit_now(
+        self, asks: Sequence[Ask], estimate: int
+    ) -> Pass | tuple[Refused, Remaining] | None:
+        """The verdict in memory, where no shared store counts these asks: no coroutine,
+        no I/O (the hot path). None: `admit` must ask the shared store."""
+        now = time.time()
+        if (
+            self.shared is not None
+            and now >= self._fallback_until
+            and any(a.limits.rpm is not None or a.limits.tpm is not None for a in asks)
+        ):
+            return None
+        return self._local(asks, estimate, now)
+
+    def _local(
+        self, asks: Sequence[Ask], estimate: int, now: float
+    ) -> Pass | tuple[Refused, Remaining]:
+        verdict = self.core.counted(asks, estimate, now)
+        if isinstance(verdict, Refused):
+            return verdict, self.core.remaining(asks, now)
+        return Pass(*verdict)
+
     async def admit(self, asks: Sequence[Ask], estimate: int) -> Pass | tuple[Refused, Remaining]:
         """Count one request of `estimate` tokens in each subject if all have room: its
         `Pass`, else why not (and what is left)."""
         now = time.time()
         rates = any(a.limits.rpm is not None or a.limits.tpm is not None for a in asks)
         shared = self.shared is not None and rates and now >= self._fallback_until
-        refused = self.core.judge(asks, estimate, now, rates=not shared)
+        if not shared:
+            return self._local(asks, estimate, now)
+        refused = self.core.judge(asks, estimate, now, rates=False)
         if refused is not None:
             return refused, self.core.remaining(asks, now)
         hold = self.core.take(asks, estimate, now)
-        if not shared:
-            return Pass(hold, self.core.remaining(asks, now))
         try:
             got = await self._reserve_shared(asks, estimate, now)
         except BaseException:
@@ -114,11 +148,7 @@ class Throttle:
         # The store failed: this gateway's own windows decide (this request taken back
         # first, so that it is not counted against itself).
         self.core.cancel(hold, now)
-        refused = self.core.judge(asks, estimate, now)
-        if refused is not None:
-            return refused, self.core.remaining(asks, now)
-        hold = self.core.take(asks, estimate, now)
-        return Pass(hold, self.core.remaining(asks, now))
+        return self._local(asks, estimate, now)
 
     async def _reserve_shared(
         self, asks: Sequence[Ask], estimate: int, now: float

@@ -55,6 +55,13 @@ class Exchange:
     # Headers the pipeline adds to the answer's head, whatever the answer (T3: the key's
     # x-ratelimit-* counts); the app's send wrapper puts them there.
     headers: list[tuple[bytes, bytes]] | None = None
+    # T3: a key with limits whose request was answered before they counted it (a 400,
+    # 403, 404...): its counts as they are, read only if such an answer starts.
+    counts: Counted | None = None
+
+
+class Counted(Protocol):
+    def headers(self) -> list[tuple[bytes, bytes]]: ...
 
 
 CURRENT: ContextVar[Exchange | None] = ContextVar("corrallm_exchange", default=None)

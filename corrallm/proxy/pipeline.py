@@ -24,14 +24,17 @@ import asyncio
 import time
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
+from typing import TypeVar
 from urllib.parse import urlsplit
 
 import aiohttp
 
 from corrallm.auth.callers import Caller, trusts_user, user_named
-from corrallm.auth.keys import Refused
-from corrallm.auth.limits import Ask
+from corrallm.auth.keys import Identity, Refused
+from corrallm.auth.limits import Refused as LimitRefused
+from corrallm.auth.limits import Remaining
 from corrallm.auth.throttle import Pass, asks_of
+from corrallm.config.schema import Backend
 from corrallm.cost.ledger import UNKNOWN_MODEL, Visit
 from corrallm.gateway import Gateway
 from corrallm.lifecycle.errors import BackendPaused, LifecycleError
@@ -109,6 +112,8 @@ class Admitted:
             extra = {**extra, **lane}
         return request_headers(raw, extra)
 
+
+T = TypeVar("T")
 
 # The surface's part: talk to the admitted backend, fill in `visit.metered`/`ttfb_ms`, and
 # return the status to record.
@@ -198,8 +203,8 @@ class Pipeline:
         identity = caller.identity
         if exchange is not None and identity is not None and identity.limits is not None:
             asks = asks_of(identity, exchange.user)
-            if asks:
-                exchange.headers = self.gw.throttle.peek(asks).headers()
+            if asks:  # read only if it is answered before its limits count it
+                exchange.counts = self.gw.throttle.counts(asks)
         return caller
 
     def user_of(self, scope: Scope, caller: Caller) -> str | None:
@@ -314,11 +319,7 @@ class Pipeline:
                     code="model_not_found",
                 )
             visit.model = served.name
-            asks = asks_of(caller.identity, visit.user) if caller.identity else ()
-            if asks:
-                await self._limited(served, flight, asks)
-            else:  # most callers: no await level of its own on the hot path (app.py)
-                await self._admit_and_work(served, flight)
+            await self._admit_and_work(served, flight)
         except ApiError as exc:
             visit.status, visit.error = exc.status, exc.summary
             for name, value in flight.waited.headers().items():
@@ -352,42 +353,24 @@ class Pipeline:
         finally:
             watch.close()
 
-    async def _limited(self, served: ServedModel, flight: _Flight, asks: tuple[Ask, ...]) -> None:
-        """T3: a key's (and its user's) rate limits, held from here until the request is
-        over, whatever ends it; the rest of the way in `_admit_and_work`."""
-        identity = flight.caller.identity
-        assert identity is not None
-        gw, inbound = self.gw, flight.inbound
-        estimate = gw.ledger.costs.estimate_tokens(
-            served.primary.config, inbound.size, inbound.limit
-        )
-        verdict = await gw.throttle.admit(asks, estimate)
-        exchange = CURRENT.get()
-        if not isinstance(verdict, Pass):
-            refused, remaining = verdict
-            if exchange is not None:
-                exchange.headers = remaining.headers()
-            raise rate_limited(identity.name, refused)
-        if exchange is not None:
-            exchange.headers = verdict.remaining.headers()
-        try:
-            await self._admit_and_work(served, flight)
-        finally:
-            metered = flight.visit.metered
-            gw.throttle.release(verdict, metered.tokens if metered is not None else 0)
-
     async def _admit_and_work(self, served: ServedModel, flight: _Flight) -> None:
         gw, caller, visit, inbound = self.gw, flight.caller, flight.visit, flight.inbound
         tiers = served.tiers_for(caller.group, gw.placeable, flight.hop)
         identity = caller.identity
-        key_limit = identity.spend_limit if identity is not None else None
-        over = await gw.ledger.reserve(visit, tiers[0][0].config, inbound.limit, key_limit)
-        if over is not None:
-            raise spend_limited(over)
-        cause: Cause = (visit.key, caller.group_name, served.name)  # who pays a cold start
+        # T3: the key's (and its user's) rate limits, held until the request is over,
+        # whatever ends it (released in `finally`). In memory no coroutine of its own:
+        # every await level is walked again at each resume of the request (app.py).
+        limits: Pass | None = None
+        if identity is not None and identity.limits is not None:
+            limits = await self._rate_limits(served, flight, identity, tiers[0][0].config)
         admission = gw.admission
         ticket: Ticket | None = None
         try:
+            key_limit = identity.spend_limit if identity is not None else None
+            over = await gw.ledger.reserve(visit, tiers[0][0].config, inbound.limit, key_limit)
+            if over is not None:
+                raise spend_limited(over)
+            cause: Cause = (visit.key, caller.group_name, served.name)  # who pays a cold start
             note = QueueNote(admission.core, tiers[0][0].id)
             ticket = await flight.queued(
                 admission.acquire(
@@ -480,10 +463,33 @@ class Pipeline:
                 raise cancelled(flight.live) from None  # queued or loading: nothing sent
             raise
         finally:
+            tokens = visit.metered.tokens if visit.metered else 0
             if ticket is not None:
-                price = gw.ledger.price(visit)
-                tokens = visit.metered.tokens if visit.metered else 0
-                admission.release(ticket, tokens, price.cost_usd)
+                admission.release(ticket, tokens, gw.ledger.price(visit).cost_usd)
+            if limits is not None:
+                gw.throttle.release(limits, tokens)
+
+    def _rate_limits(
+        self, served: ServedModel, flight: _Flight, identity: Identity, backend: Backend
+    ) -> Awaitable[Pass | None]:
+        """T3: admit the request in its key's (and user's) windows, or refuse it (429
+        `rate_limited`); the counts after it go on the answer. An awaitable that is
+        already done in memory; a round trip on a shared store."""
+        asks = asks_of(identity, flight.visit.user)
+        if not asks:
+            return _done(None)
+        throttle = self.gw.throttle
+        estimate = self.gw.ledger.costs.estimate_tokens(
+            backend, flight.inbound.size, flight.inbound.limit
+        )
+        verdict = throttle.admit_now(asks, estimate)
+        if verdict is not None:
+            return _done(_passed(identity, verdict))
+
+        async def shared() -> Pass | None:
+            return _passed(identity, await throttle.admit(asks, estimate))
+
+        return shared()
 
 
 @dataclass(slots=True)
@@ -625,3 +631,23 @@ def _uncancel() -> bool:
     """Spend a cancel that was a preemption; True if no other cancel is pending."""
     task = asyncio.current_task()
     return task is not None and task.uncancel() == 0
+
+
+def _passed(identity: Identity, verdict: Pass | tuple[LimitRefused, Remaining]) -> Pass:
+    """The request's place in its windows, its counts put on the answer; or 429."""
+    exchange = CURRENT.get()
+    if not isinstance(verdict, Pass):
+        refused, remaining = verdict
+        if exchange is not None:
+            exchange.headers = remaining.headers()
+        raise rate_limited(identity.name, refused)
+    if exchange is not None:
+        exchange.headers = verdict.remaining.headers()
+    return verdict
+
+
+def _done(value: T) -> Awaitable[T]:
+    """`value` as an awaitable that is already done: awaiting it costs no coroutine."""
+    future: asyncio.Future[T] = asyncio.get_running_loop().create_future()
+    future.set_result(value)
+    return future

@@ -190,3 +190,31 @@ def test_T3_never_more_than_the_limits_admitted(key, user, events):
             assert rules.rpm is None or len(window) <= rules.rpm
             assert rules.concurrent is None or len(held) <= rules.concurrent
             assert rules.tpm is None or tokens <= rules.tpm
+
+
+@settings(max_examples=300, deadline=None)
+@given(key=policies, user=policies, events=arrivals)
+def test_T3_the_hot_paths_one_pass_decides_and_counts_as_admit_and_remaining(key, user, events):
+    """`counted` (one pass over the windows) against `admit` then `remaining`, fed the
+    same history: the same verdicts, the same counts after, the same windows."""
+    fast, plain = Limiter(), Limiter()
+    asks = [Ask(KEY, key), Ask(USER, user)]
+    now = 0.0
+    held: list[tuple[Hold, Hold, int]] = []
+    for dt, estimate, share, finish in events:
+        now += dt
+        if finish and held:
+            one, other, used = held.pop(0)
+            fast.release(one, used, now)
+            plain.release(other, used, now)
+        got = fast.counted(asks, estimate, now)
+        expected = plain.admit(asks, estimate, now)
+        if isinstance(expected, Refused):
+            assert got == expected
+            continue
+        assert not isinstance(got, Refused)
+        hold, remaining = got
+        assert (hold, remaining) == (expected, plain.remaining(asks, now))
+        held.append((hold, expected, int(estimate * share)))
+        assert fast.counts(KEY, now) == plain.counts(KEY, now)
+        assert fast.counts(USER, now) == plain.counts(USER, now)
