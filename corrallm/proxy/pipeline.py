@@ -24,7 +24,6 @@ import asyncio
 import time
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
-from typing import TypeVar
 from urllib.parse import urlsplit
 
 import aiohttp
@@ -112,8 +111,6 @@ class Admitted:
             extra = {**extra, **lane}
         return request_headers(raw, extra)
 
-
-T = TypeVar("T")
 
 # The surface's part: talk to the admitted backend, fill in `visit.metered`/`ttfb_ms`, and
 # return the status to record.
@@ -362,7 +359,8 @@ class Pipeline:
         # every await level is walked again at each resume of the request (app.py).
         limits: Pass | None = None
         if identity is not None and identity.limits is not None:
-            limits = await self._rate_limits(served, flight, identity, tiers[0][0].config)
+            got = self._rate_limits(served, flight, identity, tiers[0][0].config)
+            limits = got if got is None or isinstance(got, Pass) else await got
         admission = gw.admission
         ticket: Ticket | None = None
         try:
@@ -471,22 +469,22 @@ class Pipeline:
 
     def _rate_limits(
         self, served: ServedModel, flight: _Flight, identity: Identity, backend: Backend
-    ) -> Awaitable[Pass | None]:
+    ) -> Pass | Awaitable[Pass] | None:
         """T3: admit the request in its key's (and user's) windows, or refuse it (429
-        `rate_limited`); the counts after it go on the answer. An awaitable that is
-        already done in memory; a round trip on a shared store."""
+        `rate_limited`); the counts after it go on the answer. Decided at once in memory;
+        an awaitable for the round trip to a shared store."""
         asks = asks_of(identity, flight.visit.user)
         if not asks:
-            return _done(None)
+            return None
         throttle = self.gw.throttle
         estimate = self.gw.ledger.costs.estimate_tokens(
             backend, flight.inbound.size, flight.inbound.limit
         )
         verdict = throttle.admit_now(asks, estimate)
         if verdict is not None:
-            return _done(_passed(identity, verdict))
+            return _passed(identity, verdict)
 
-        async def shared() -> Pass | None:
+        async def shared() -> Pass:
             return _passed(identity, await throttle.admit(asks, estimate))
 
         return shared()
@@ -644,10 +642,3 @@ def _passed(identity: Identity, verdict: Pass | tuple[LimitRefused, Remaining]) 
     if exchange is not None:
         exchange.headers = verdict.remaining.headers()
     return verdict
-
-
-def _done(value: T) -> Awaitable[T]:
-    """`value` as an awaitable that is already done: awaiting it costs no coroutine."""
-    future: asyncio.Future[T] = asyncio.get_running_loop().create_future()
-    future.set_result(value)
-    return future

@@ -147,7 +147,10 @@ def test_W1_a_sleeper_is_stopped_before_a_resident_is_evicted_only_when_cheaper(
         return
     spared = [replace(r, pinned=True) if r.asleep else r for r in residents]
     without = plan(CAPACITY, {}, spared, need, 50)
-    assert not without.fits or result.cost < without.cost
+    # Never dearer than sparing the sleepers. A tie is allowed: the residents-first plan
+    # (taken on ties) may itself stop a sleeper where another resident's eviction costs
+    # the same seconds (hypothesis found one: two victims of cost 1.0 each way).
+    assert not without.fits or result.cost <= without.cost
 
 
 @settings(max_examples=300, deadline=None)
