@@ -1,17 +1,18 @@
 """What do the trust gates (SPEC §22) cost a request? The same load, same run, through a
-gateway without keys and through one with 1,000 named keys, the caller's key holding a
-20-entry allowlist (the served model matching its last glob) and rpm/tpm/concurrent limits
-too high to refuse anything, so every gate runs on every request and none refuses.
+gateway without keys and through gateways with 1,000 named keys: the keys alone, with
+the caller's key holding a 20-entry allowlist (the served model matching its last glob),
+and with that and rpm/tpm/concurrent limits too high to refuse anything (the issue's
+measure: every gate runs on every request and none refuses).
 
     .venv/bin/python bench/keys.py [--requests N] [--rounds R] [--seconds S] [--json]
 
-bench/overhead.py's processes and pinning: the fast fake backend (`--fast`), then both
-gateways in front of it. Latency: sequential non-streamed chat completions at
-concurrency 1 on one kept-alive connection, in alternating rounds (the order reversed
-every other round), the median of each round's p50 and p99. Throughput: concurrency 64,
-wrk when Debian's is installed (the key in a Lua header), else bench/loadgen.py,
-alternating rounds, the median. The targets (issue "Trust"): the gates cost at most 5 %
-of throughput and at most 0.05 ms at p50.
+bench/overhead.py's processes and pinning: the fast fake backend (`--fast`), then the
+gateways in front of it, all serving their callers in the same configured lane.
+Latency: sequential non-streamed chat completions at concurrency 1 on one kept-alive
+connection, in alternating rounds (the order reversed every other round), the median of
+each round's p50 and p99. Throughput: concurrency 64, wrk when Debian's is installed (the
+key in a Lua header), else bench/loadgen.py, alternating rounds, the median. The targets
+(issue "Trust"): the gates cost at most 5 % of throughput and at most 0.05 ms at p50.
 """
 
 from __future__ import annotations
@@ -36,10 +37,12 @@ PROMPT = [{"role": "user", "content": "Hello, how are you today?"}]
 BODY = {"model": "bench", "messages": PROMPT, "max_tokens": 16}
 SECRET = "sk-bench-caller-0123456789abcdef"
 KEYS = 1000
-MODES = ("no keys", "keys")
+# The full policy of the issue's measure, and two steps on the way, to see what each costs.
+MODES = ("no keys", "keys", "keys + allowlist", "keys + allowlist + limits")
+FULL = MODES[-1]
 
 
-def keys_config() -> str:
+def keys_config(allowlist: bool = True, limits: bool = True) -> str:
     """1,000 named keys by digest (the caller's is the last), and the caller's policy."""
     lines = ["keys:"]
     for i in range(KEYS - 1):
@@ -50,37 +53,47 @@ def keys_config() -> str:
         "  caller:",
         f"    secretHash: 'sha256:{hashlib.sha256(SECRET.encode()).hexdigest()}'",
         "    group: team",
-        f"    models: [{allow}]",
-        "    limits: {rpm: 100000000, tpm: 100000000000, concurrent: 10000}",
-        "scheduler: {requireKeys: true, defaultGroup: team}",
     ]
+    if allowlist:
+        lines.append(f"    models: [{allow}]")
+    if limits:
+        lines.append("    limits: {rpm: 100000000, tpm: 100000000000, concurrent: 10000}")
+    lines.append("scheduler: {requireKeys: true, defaultGroup: team}")
     return "\n".join(lines) + "\n"
 
 
-# Both gateways serve their callers in the same lane (a configured group), so that the
+def policy_of(mode: str) -> str:
+    if mode == "no keys":
+        return "scheduler: {defaultGroup: team}\n"
+    return keys_config(allowlist="allowlist" in mode, limits="limits" in mode)
+
+
+# Every gateway serves its callers in the same lane (a configured group), so that the
 # keys, their allowlist and their limits are all that differs.
 LANE = "priorityGroups: {team: {weight: 1}}\n"
 
 
+def slug(mode: str) -> str:
+    return "-".join(mode.replace("+", "").split())
+
+
 def start_corrallm(procs: Procs, mode: str, fast_port: int) -> str:
     port = free_port()
-    config = procs.tmp / f"corrallm-{mode.replace(' ', '-')}.yaml"
+    config = procs.tmp / f"corrallm-{slug(mode)}.yaml"
     model = (
         f"  bench: {{backends: [{{proxy: 'http://127.0.0.1:{fast_port}', maxConcurrent: 1000}}]}}"
     )
-    plain = "scheduler: {defaultGroup: team}\n"
-    policy = keys_config() if mode == "keys" else plain
-    config.write_text(f"models:\n{model}\n{LANE}{policy}")
-    home = procs.tmp / f"home-{mode.replace(' ', '-')}"
+    config.write_text(f"models:\n{model}\n{LANE}{policy_of(mode)}")
+    home = procs.tmp / f"home-{slug(mode)}"
     cmd = [PY, "-m", "corrallm", "serve", "--config", str(config), "--home", str(home)]
-    name = f"corrallm-{mode.replace(' ', '-')}"
+    name = f"corrallm-{slug(mode)}"
     proc = procs.start(name, cmd, "proxy", env={"ADDR": f"127.0.0.1:{port}"})
     procs.wait_healthy(name, proc, f"http://127.0.0.1:{port}/health")
     return f"http://127.0.0.1:{port}/v1/chat/completions"
 
 
 def headers(mode: str) -> dict[str, str]:
-    return {"Authorization": f"Bearer {SECRET}"} if mode == "keys" else {}
+    return {"Authorization": f"Bearer {SECRET}"} if mode != "no keys" else {}
 
 
 def latency(bench: Bench, urls: dict[str, str], args: argparse.Namespace) -> dict[str, Any]:
@@ -101,7 +114,7 @@ def latency(bench: Bench, urls: dict[str, str], args: argparse.Namespace) -> dic
 
 
 def wrk_rps(bench: Bench, wrk: str, url: str, mode: str, seconds: float) -> float:
-    lua = bench.procs.tmp / f"keys-{mode.replace(' ', '-')}.lua"
+    lua = bench.procs.tmp / f"keys-{slug(mode)}.lua"
     extra = "".join(f'wrk.headers["{k}"] = "{v}"\n' for k, v in headers(mode).items())
     lua.write_text(
         'wrk.method = "POST"\nwrk.headers["Content-Type"] = "application/json"\n'
@@ -133,21 +146,24 @@ def throughput(bench: Bench, urls: dict[str, str], args: argparse.Namespace) -> 
 
 
 def report(lat: dict[str, Any], thr: dict[str, Any], notes: list[str]) -> str:
-    base, keyed = lat["no keys"], lat["keys"]
+    base = lat["no keys"]
     lines = [
-        "| gateway | p50 ms (c=1) | p99 ms (c=1) | req/s (c=64) |",
-        "|---|---:|---:|---:|",
+        "| gateway | p50 ms (c=1) | p99 ms (c=1) | req/s (c=64) | added p50 ms | throughput |",
+        "|---|---:|---:|---:|---:|---:|",
     ]
     for mode in MODES:
-        row = lat[mode]
-        lines.append(f"| {mode} | {row['p50']:.3f} | {row['p99']:.3f} | {thr[mode]['rps']:,.0f} |")
-    added = keyed["p50"] - base["p50"]
-    ratio = thr["keys"]["rps"] / thr["no keys"]["rps"]
+        row, rps = lat[mode], thr[mode]["rps"]
+        ratio = rps / thr["no keys"]["rps"]
+        lines.append(
+            f"| {mode} | {row['p50']:.3f} | {row['p99']:.3f} | {rps:,.0f} | "
+            f"{row['p50'] - base['p50']:+.4f} | {ratio:.3f}x |"
+        )
+    added = lat[FULL]["p50"] - base["p50"]
+    ratio = thr[FULL]["rps"] / thr["no keys"]["rps"]
     lines += [
         "",
-        f"- keys vs no keys, p50: {added:+.4f} ms (target: at most +0.05 ms)",
-        f"- keys vs no keys, throughput: {ratio:.3f}x ({(ratio - 1) * 100:+.1f} %; "
-        "target: at least 0.95x)",
+        f"- the full policy vs no keys, p50: {added:+.4f} ms (target: at most +0.05 ms)",
+        f"- the full policy vs no keys, throughput: {ratio:.3f}x (target: at least 0.95x)",
     ]
     return "\n".join([*lines, *(f"- {n}" for n in notes)])
 
@@ -172,7 +188,7 @@ def main(argv: list[str]) -> int:
             procs.close()
     notes = [
         f"{args.rounds} alternating rounds; c=1: {args.requests} requests per mode per round; "
-        f"c=64: {thr['keys']['tool']}; 200 answers, 16 tokens, fake backend --fast; "
+        f"c=64: {thr[FULL]['tool']}; 200 answers, 16 tokens, fake backend --fast; "
         f"pinned: {procs.pins or 'no'}"
     ]
     print(
