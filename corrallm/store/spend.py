@@ -109,24 +109,23 @@ async def prune(store: Store, group: str, before: float, now: float) -> None:
 async def recent_costs(store: Store, group: str, since: float) -> list[tuple[float, float]]:
     """What the lane's activity rows cost since `since`, per minute: (minute, usd), oldest
     first (an embedded store's windows, rebuilt at boot)."""
-    dialect = store.dialect
-    rows = await store.query(
-        f"SELECT {dialect.floor_to('t', 60)} AS minute, SUM(cost_usd) AS usd "
-        f"FROM activity {dialect.indexed('activity_grp_t')} WHERE grp = ? AND t >= ? "
-        "GROUP BY minute ORDER BY minute",
-        (group, since),
-    )
-    return [(r["minute"], r["usd"] or 0.0) for r in rows]
+    return await _costs_by_minute(store, "grp", group, since)
 
 
 async def recent_key_costs(store: Store, key: str, since: float) -> list[tuple[float, float]]:
     """`recent_costs` for one key's own window (T3: a key's `spendLimit`)."""
+    return await _costs_by_minute(store, "key", key, since)
+
+
+async def _costs_by_minute(
+    store: Store, column: str, value: str, since: float
+) -> list[tuple[float, float]]:
     dialect = store.dialect
     rows = await store.query(
         f"SELECT {dialect.floor_to('t', 60)} AS minute, SUM(cost_usd) AS usd "
-        f"FROM activity {dialect.indexed('activity_key_t')} WHERE key = ? AND t >= ? "
-        "GROUP BY minute ORDER BY minute",
-        (key, since),
+        f"FROM activity {dialect.indexed(f'activity_{column}_t')} WHERE {column} = ? "
+        "AND t >= ? GROUP BY minute ORDER BY minute",
+        (value, since),
     )
     return [(r["minute"], r["usd"] or 0.0) for r in rows]
 
