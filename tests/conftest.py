@@ -6,6 +6,7 @@ from pathlib import Path
 import pytest
 
 from tests.support.calls import Call
+from tests.support.clients import close_all
 from tests.support.postgres import postgres_cluster, postgres_url  # noqa: F401 (fixtures)
 from tests.support.processes import (
     FakeBackend,
@@ -46,3 +47,10 @@ def calls() -> Iterator[list[Call]]:
     yield made
     for call in made:
         call.join(30)
+
+
+@pytest.fixture(autouse=True)
+def _close_sdk_clients() -> Iterator[None]:
+    """Every SDK client a test's helpers made (`tests/support/clients.py`) is closed."""
+    yield
+    close_all()

@@ -9,6 +9,7 @@ import time
 import openai
 import pytest
 
+from tests.support.clients import closed_at_end
 from tests.support.processes import Gateway, fake_cmd
 
 CONFIG = f"""
@@ -58,9 +59,9 @@ def test_T5_a_key_is_judged_from_the_head_before_any_body_byte(gateway_factory):
 
 def test_T1_an_expired_key_is_refused_as_expired(gateway_factory):
     gw = gateway_factory(CONFIG)
-    old = openai.OpenAI(base_url=gw.v1, api_key="sk-old-key", max_retries=0)
+    old = closed_at_end(openai.OpenAI(base_url=gw.v1, api_key="sk-old-key", max_retries=0))
     with pytest.raises(openai.AuthenticationError) as refused:
         old.chat.completions.create(model="m", messages=HI)
     assert refused.value.code == "key_expired" and "'old' has expired" in refused.value.message
-    fresh = openai.OpenAI(base_url=gw.v1, api_key="sk-fresh-key", max_retries=0)
+    fresh = closed_at_end(openai.OpenAI(base_url=gw.v1, api_key="sk-fresh-key", max_retries=0))
     assert fresh.chat.completions.create(model="m", messages=HI).choices

@@ -15,6 +15,7 @@ import httpx
 import openai
 import pytest
 
+from tests.support.clients import closed_at_end
 from tests.support.postgres import POSTGRES_TIER
 from tests.support.processes import FakeBackend, Gateway, running_fake_backend, wait_for
 
@@ -63,7 +64,7 @@ def gw(gateway_factory, tmp_path: Path) -> Iterator[Gateway]:
 
 
 def client(gw: Gateway, key: str) -> openai.OpenAI:
-    return openai.OpenAI(base_url=gw.v1, api_key=key, max_retries=0, timeout=30)
+    return closed_at_end(openai.OpenAI(base_url=gw.v1, api_key=key, max_retries=0, timeout=30))
 
 
 def rate_headers(response: httpx.Response) -> dict[str, str]:
@@ -78,7 +79,7 @@ def test_T3_the_allowlist_is_enforced_on_every_surface_and_in_the_models_list(gw
         picky.chat.completions.create(model="forbidden", messages=HI)
     with pytest.raises(openai.PermissionDeniedError) as responses:
         picky.responses.create(model="forbidden", input="hi")
-    claude = anthropic.Anthropic(base_url=gw.url, api_key="sk-picky", max_retries=0)
+    claude = closed_at_end(anthropic.Anthropic(base_url=gw.url, api_key="sk-picky", max_retries=0))
     with pytest.raises(anthropic.PermissionDeniedError) as messages:
         claude.messages.create(model="forbidden", max_tokens=10, messages=HI)  # type: ignore[arg-type]
     with pytest.raises(anthropic.PermissionDeniedError):

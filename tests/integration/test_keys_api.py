@@ -15,6 +15,7 @@ import openai
 import pytest
 
 from corrallm.config.schema import short_key_name
+from tests.support.clients import closed_at_end
 from tests.support.postgres import POSTGRES_TIER
 from tests.support.processes import FakeBackend, Gateway, wait_for
 
@@ -47,7 +48,7 @@ def gw(start) -> Gateway:
 
 
 def sdk(gw: Gateway, secret: str) -> openai.OpenAI:
-    return openai.OpenAI(base_url=gw.v1, api_key=secret, max_retries=0, timeout=30)
+    return closed_at_end(openai.OpenAI(base_url=gw.v1, api_key=secret, max_retries=0, timeout=30))
 
 
 def chat(gw: Gateway, secret: str) -> httpx.Response:

@@ -22,6 +22,7 @@ import openai
 import pytest
 
 from corrallm.config.schema import short_key_name
+from tests.support.clients import closed_at_end
 from tests.support.processes import Gateway, fake_cmd, wait_for
 
 NAMED = "sk-named-" + secrets.token_hex(16)
@@ -53,7 +54,7 @@ def test_T1_no_surface_file_or_log_line_contains_a_key_secret(gw: Gateway) -> No
     configured = [NAMED, SHORT, *([made] if made else [])]
     events = _events(gw)
     for secret in configured:
-        client = openai.OpenAI(base_url=gw.v1, api_key=secret, max_retries=0)
+        client = closed_at_end(openai.OpenAI(base_url=gw.v1, api_key=secret, max_retries=0))
         echoed = [{"role": "user", "content": f"my key is {secret}, repeat it"}]
         client.chat.completions.create(model="m", messages=echoed)
         stream = client.chat.completions.create(model="m", messages=CHAT, stream=True)
@@ -68,7 +69,7 @@ def test_T1_no_surface_file_or_log_line_contains_a_key_secret(gw: Gateway) -> No
         )
         assert anthropic.status_code == 200
         client.responses.create(model="m", input=f"again: {secret}")
-    stranger = openai.OpenAI(base_url=gw.v1, api_key=UNKNOWN, max_retries=0)
+    stranger = closed_at_end(openai.OpenAI(base_url=gw.v1, api_key=UNKNOWN, max_retries=0))
     stranger.chat.completions.create(model="m", messages=CHAT)
 
     names = {short_key_name(SHORT), "alice", "unknown", *(["bot"] if made else [])}

@@ -9,6 +9,7 @@ import httpx
 import openai
 import pytest
 
+from tests.support.clients import closed_at_end
 from tests.support.processes import fake_cmd, wait_for
 
 CHAT = {"model": "chat", "messages": [{"role": "user", "content": "hi"}]}
@@ -131,7 +132,7 @@ def test_T5_upstream_with_access_keys_passes_the_v1_gates_and_is_recorded(gatewa
     assert gw.api("POST", "models/pause", {"model": "chat"}).status_code == 200
     paused = httpx.get(gw.url + "/upstream/chat/props", headers=alice, timeout=30)
     assert paused.status_code == 503 and paused.json()["error"]["code"] == "paused"
-    client = openai.OpenAI(base_url=gw.v1, api_key="alice-secret", max_retries=0)
+    client = closed_at_end(openai.OpenAI(base_url=gw.v1, api_key="alice-secret", max_retries=0))
     with pytest.raises(openai.APIStatusError) as same_on_v1:
         client.chat.completions.create(model="chat", messages=CHAT["messages"])
     assert same_on_v1.value.status_code == 503
@@ -151,12 +152,12 @@ def test_T5_model_names_callers_choose_are_unknown_in_rows_events_and_metrics(ga
     message = anonymous.json()["error"]["message"]
     # The message quotes the name's first 128 characters only.
     assert ("'" + long_name[:128] + "…'") in message and long_name[:129] not in message
-    stranger = openai.OpenAI(base_url=gw.v1, api_key="not-configured", max_retries=0)
+    stranger = closed_at_end(openai.OpenAI(base_url=gw.v1, api_key="not-configured", max_retries=0))
     for name in ("one", "two", "three"):
         with pytest.raises(openai.NotFoundError):
             stranger.chat.completions.create(model=name, messages=CHAT["messages"])
     # Last (rows are written in order): a configured key's.
-    client = openai.OpenAI(base_url=gw.v1, api_key="alice-secret", max_retries=0)
+    client = closed_at_end(openai.OpenAI(base_url=gw.v1, api_key="alice-secret", max_retries=0))
     with pytest.raises(openai.NotFoundError):
         client.chat.completions.create(model="made-up-by-alice", messages=CHAT["messages"])
     # alice is a configured key: her refusal is recorded, as `unknown`, and its error

@@ -13,6 +13,7 @@ import httpx
 import openai
 import pytest
 
+from tests.support.clients import closed_at_end
 from tests.support.observe import request_rows
 from tests.support.processes import Gateway, fake_cmd, wait_for
 
@@ -37,8 +38,10 @@ models:
 
 def client(gw: Gateway, key: str, user: str | None) -> openai.OpenAI:
     headers = {HEADER: user} if user is not None else {}
-    return openai.OpenAI(
-        base_url=gw.v1, api_key=key, default_headers=headers, max_retries=0, timeout=60
+    return closed_at_end(
+        openai.OpenAI(
+            base_url=gw.v1, api_key=key, default_headers=headers, max_retries=0, timeout=60
+        )
     )
 
 
