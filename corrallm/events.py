@@ -22,6 +22,8 @@ from typing import Any
 
 import orjson
 
+from corrallm.config.units import env_value
+
 DEFAULT_BUFFER_MB = 8.0
 HEARTBEAT_SECONDS = 15.0
 
@@ -29,16 +31,8 @@ HEARTBEAT_SECONDS = 15.0
 def buffer_from_env(env: Mapping[str, str]) -> int:
     """Bytes a subscriber may have queued, from `CORRALLM_EVENT_BUFFER_MB` (MB = 10^6
     bytes, as everywhere in corrallm); ValueError naming the variable when it is bad."""
-    text = env.get("CORRALLM_EVENT_BUFFER_MB", "").strip()
-    if not text:
-        return int(DEFAULT_BUFFER_MB * 10**6)
-    try:
-        mb = float(text)
-    except ValueError:
-        mb = 0.0
-    if not 0 < mb < float("inf"):
-        raise ValueError(f"CORRALLM_EVENT_BUFFER_MB must be a positive number of MB, got {text!r}")
-    return max(1, int(mb * 10**6))
+    mb = env_value(env, "CORRALLM_EVENT_BUFFER_MB", float, "a positive number of MB")
+    return max(1, int((DEFAULT_BUFFER_MB if mb is None else mb) * 10**6))
 
 
 @dataclass(eq=False)  # identity: each subscription is its own

@@ -97,11 +97,6 @@ class Identity:
         allowed = self._allowed
         return allowed is None or any(allowed.match(n) is not None for n in names)
 
-    @property
-    def limited(self) -> bool:
-        """Whether anything about this key is counted per request (T3, T4)."""
-        return self.limits is not None or self.spend_limit is not None
-
     @classmethod
     def of_config(cls, name: str, key: ApiKey) -> Identity:
         assert key.secret_hash is not None, "validated config"

@@ -1,10 +1,15 @@
-"""Durations and sizes as operators write them: `500ms`, `30s`, `1.5GB`, `1GiB`, or numbers."""
+"""Durations and sizes as operators write them: `500ms`, `30s`, `1.5GB`, `1GiB`, or numbers;
+and positive settings read from the environment."""
 
 from __future__ import annotations
 
 import math
 import re
+from collections.abc import Callable, Mapping
 from datetime import UTC, datetime
+from typing import TypeVar
+
+N = TypeVar("N", int, float)
 
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h|d)?\s*$")
 _DURATION_SECONDS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0, None: 1.0}
@@ -23,6 +28,21 @@ _SIZE_BYTES = {
     "tib": 2**40,
     "pib": 2**50,
 }
+
+
+def env_value(env: Mapping[str, str], name: str, parse: Callable[[str], N], what: str) -> N | None:
+    """The positive, finite setting in the environment variable `name`, parsed; None when
+    it is unset or blank. ValueError `<name> must be <what>, got '<text>'` when it is bad."""
+    text = env.get(name, "").strip()
+    if not text:
+        return None
+    try:
+        value: N | None = parse(text)
+    except ValueError:
+        value = None
+    if value is None or not 0 < value < math.inf:
+        raise ValueError(f"{name} must be {what}, got {text!r}")
+    return value
 
 
 def parse_duration(value: object) -> float:

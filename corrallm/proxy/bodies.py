@@ -31,7 +31,7 @@ import asyncio
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from corrallm.config.units import format_size, parse_size
+from corrallm.config.units import env_value, format_size, parse_size
 from corrallm.proxy.asgi import CONNECTION, ClientGone, Message, Receive, Scope, header
 from corrallm.proxy.errors import ApiError
 
@@ -52,29 +52,14 @@ class BodyLimits:
     def from_env(cls, env: Mapping[str, str]) -> BodyLimits:
         """`CORRALLM_BODY_TIMEOUT` (seconds) and `CORRALLM_MAX_BODY_MEMORY` (a size:
         `256MiB`, `1GB`, bytes); ValueError naming the variable when one is bad."""
-        timeout, memory = DEFAULT_BODY_TIMEOUT, DEFAULT_MAX_BODY_MEMORY
-        text = env.get("CORRALLM_BODY_TIMEOUT", "").strip()
-        if text:
-            try:
-                timeout = float(text)
-            except ValueError:
-                timeout = 0.0
-            if not 0 < timeout < float("inf"):
-                raise ValueError(
-                    f"CORRALLM_BODY_TIMEOUT must be a positive number of seconds, got {text!r}"
-                )
-        text = env.get("CORRALLM_MAX_BODY_MEMORY", "").strip()
-        if text:
-            try:
-                memory = parse_size(text)
-            except ValueError:
-                memory = 0
-            if memory <= 0:
-                raise ValueError(
-                    "CORRALLM_MAX_BODY_MEMORY must be a size above 0 such as 256MiB or 1GB, "
-                    f"got {text!r}"
-                )
-        return cls(timeout, memory)
+        timeout = env_value(env, "CORRALLM_BODY_TIMEOUT", float, "a positive number of seconds")
+        memory = env_value(
+            env, "CORRALLM_MAX_BODY_MEMORY", parse_size, "a size above 0 such as 256MiB or 1GB"
+        )
+        return cls(
+            DEFAULT_BODY_TIMEOUT if timeout is None else timeout,
+            DEFAULT_MAX_BODY_MEMORY if memory is None else memory,
+        )
 
 
 class Bodies:

@@ -359,7 +359,7 @@ class Pipeline:
         # every await level is walked again at each resume of the request (app.py).
         limits: Pass | None = None
         if identity is not None and identity.limits is not None:
-            got = self._rate_limits(served, flight, identity, tiers[0][0].config)
+            got = self._rate_limits(flight, identity, tiers[0][0].config)
             limits = got if got is None or isinstance(got, Pass) else await got
         admission = gw.admission
         ticket: Ticket | None = None
@@ -468,7 +468,7 @@ class Pipeline:
                 gw.throttle.release(limits, tokens)
 
     def _rate_limits(
-        self, served: ServedModel, flight: _Flight, identity: Identity, backend: Backend
+        self, flight: _Flight, identity: Identity, backend: Backend
     ) -> Pass | Awaitable[Pass] | None:
         """T3: admit the request in its key's (and user's) windows, or refuse it (429
         `rate_limited`); the counts after it go on the answer. Decided at once in memory;

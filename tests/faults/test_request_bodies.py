@@ -131,6 +131,11 @@ def test_T5_body_bytes_held_at_once_are_bounded_and_given_back(
             env={"CORRALLM_MAX_BODY_MEMORY": "1MiB", "CORRALLM_BODY_TIMEOUT": "60"},
         )
         bound = 2**20
+
+        def fits() -> bool:  # 400 kB more body bytes are taken in
+            r = httpx.post(gw.v1 + "/chat/completions", content=big_chat(400_000), timeout=10)
+            return r.status_code == 200
+
         small = httpx.post(gw.v1 + "/chat/completions", json=CHAT, timeout=10)
         assert small.status_code == 200
 
@@ -148,17 +153,7 @@ def test_T5_body_bytes_held_at_once_are_bounded_and_given_back(
             # A small one still fits beside the stalled 700 kB.
             assert httpx.post(gw.v1 + "/chat/completions", json=CHAT, timeout=10).status_code == 200
         # The stalled client left: its bytes are given back, and the 400 kB body fits.
-        wait_for(
-            lambda: (
-                httpx.post(
-                    gw.v1 + "/chat/completions", content=big_chat(400_000), timeout=10
-                ).status_code
-                == 200
-            ),
-            10,
-            0.1,
-            what="the stalled body's bytes given back",
-        )
+        wait_for(fits, 10, 0.1, what="the stalled body's bytes given back")
 
         # A body is held until its request is over, not just until it is read: while a
         # 700 kB streamed request is answered, 400 kB more do not fit; after it, they do.
@@ -174,17 +169,7 @@ def test_T5_body_bytes_held_at_once_are_bounded_and_given_back(
             r = httpx.post(gw.v1 + "/chat/completions", content=big_chat(400_000), timeout=10)
             assert r.status_code == 503, r.text
             assert [line for line in lines if line.startswith("data: ")][-1] == "data: [DONE]"
-        wait_for(
-            lambda: (
-                httpx.post(
-                    gw.v1 + "/chat/completions", content=big_chat(400_000), timeout=10
-                ).status_code
-                == 200
-            ),
-            10,
-            0.1,
-            what="the streamed request's body given back",
-        )
+        wait_for(fits, 10, 0.1, what="the streamed request's body given back")
         # Past the bound from the start: a body larger than it never fits.
         r = httpx.post(gw.v1 + "/chat/completions", content=big_chat(bound + 10), timeout=10)
         assert r.status_code == 503 and r.json()["error"]["code"] == "server_busy"

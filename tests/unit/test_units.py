@@ -5,7 +5,9 @@ from __future__ import annotations
 import pytest
 
 from corrallm.config import load_config_text
-from corrallm.config.units import format_size, parse_duration, parse_size
+from corrallm.config.units import env_value, format_size, parse_duration, parse_size
+from corrallm.events import buffer_from_env
+from corrallm.proxy.bodies import BodyLimits
 
 
 @pytest.mark.parametrize(
@@ -94,3 +96,35 @@ def test_infinite_sizes_and_durations_are_config_problems_not_crashes(value: str
         )
     assert len(caught.value.problems) == 2
     assert all("finite" in p for p in caught.value.problems)
+
+
+@pytest.mark.parametrize(
+    ("read", "name", "bad", "message"),
+    [
+        (lambda env: BodyLimits.from_env(env).timeout, "CORRALLM_BODY_TIMEOUT", "0",
+         "a positive number of seconds"),
+        (lambda env: BodyLimits.from_env(env).timeout, "CORRALLM_BODY_TIMEOUT", "inf",
+         "a positive number of seconds"),
+        (lambda env: BodyLimits.from_env(env).max_memory, "CORRALLM_MAX_BODY_MEMORY", "lots",
+         "a size above 0 such as 256MiB or 1GB"),
+        (buffer_from_env, "CORRALLM_EVENT_BUFFER_MB", "-1", "a positive number of MB"),
+    ],
+)  # fmt: skip
+def test_T5_a_bad_setting_in_the_environment_names_itself_and_what_it_takes(
+    read, name, bad, message
+):
+    with pytest.raises(ValueError, match=f"^{name} must be {message}, got '{bad}'$"):
+        read({name: bad})
+
+
+def test_T5_settings_from_the_environment_and_their_defaults():
+    assert BodyLimits.from_env({}) == BodyLimits(15.0, 256 * 2**20)
+    limits = BodyLimits.from_env(
+        {"CORRALLM_BODY_TIMEOUT": "2.5", "CORRALLM_MAX_BODY_MEMORY": "1MiB"}
+    )
+    assert limits == BodyLimits(2.5, 2**20)
+    assert (buffer_from_env({}), buffer_from_env({"CORRALLM_EVENT_BUFFER_MB": " 0.5 "})) == (
+        8 * 10**6,
+        500_000,
+    )
+    assert env_value({"X": " "}, "X", float, "anything") is None
