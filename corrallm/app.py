@@ -258,7 +258,12 @@ class CorrallmApp:
             _require(method, "GET", path)
             await audio.send_capabilities(self.gateway, scope, send)
         elif path == "/v1/reservations":
-            await self._with_body(reservations.handle, scope, receive, send)
+            caller = reservations.judge(self.pipeline, scope)  # T5: before any body byte
+            await self._with_body(
+                scope,
+                receive,
+                lambda body: reservations.handle(self.pipeline, caller, scope, send, body),
+            )
         elif path in ("/health", "/healthz"):
             await send_bytes(send, 200, _HEALTH)
         elif path == "/metrics":
@@ -318,11 +323,12 @@ class CorrallmApp:
         return app
 
     async def _with_body(
-        self, handler: Handler, scope: Scope, receive: Receive, send: Send
+        self, scope: Scope, receive: Receive, use: Callable[[bytes], Awaitable[None]]
     ) -> None:
+        """`use` the request's whole body; its bytes given back once that is over."""
         body = await self._body(scope, receive)
         try:
-            await handler(self.pipeline, scope, receive, send, body)
+            await use(body)
         finally:
             self.bodies.release(len(body))
 

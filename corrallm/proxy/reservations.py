@@ -26,7 +26,7 @@ from corrallm.cost.ledger import Visit
 from corrallm.gateway import Caller, Gateway
 from corrallm.observe.context import new_request_id
 from corrallm.proxy import jsonbody
-from corrallm.proxy.asgi import Receive, Scope, Send, send_bytes
+from corrallm.proxy.asgi import Scope, Send, send_bytes
 from corrallm.proxy.errors import ApiError, bad_request, not_found, quoted
 from corrallm.proxy.pipeline import Inbound, Pipeline
 from corrallm.proxy.refusals import spend_limited
@@ -61,9 +61,9 @@ def holder_of(caller: Caller) -> str:
     return caller.name or f"lane:{caller.group_name}"
 
 
-async def handle(
-    pipeline: Pipeline, scope: Scope, receive: Receive, send: Send, body: bytes
-) -> None:
+def judge(pipeline: Pipeline, scope: Scope) -> Caller:
+    """From the request head alone, before any body byte is read (T5): the method, and a
+    caller whose key is configured here (a lease is held by a key)."""
     method = scope["method"]
     if method not in ("GET", "POST", "DELETE"):
         raise ApiError(
@@ -81,6 +81,12 @@ async def handle(
             type="authentication_error",
             code="invalid_api_key",
         )
+    return caller
+
+
+async def handle(pipeline: Pipeline, caller: Caller, scope: Scope, send: Send, body: bytes) -> None:
+    """`/v1/reservations` for a caller `judge` admitted: list, lease or release."""
+    method = scope["method"]
     holder = holder_of(caller)
     if method == "GET":  # T5: the caller's own leases only
         await _json(send, 200, {"object": "list", "data": live_leases(pipeline.gw, holder)})

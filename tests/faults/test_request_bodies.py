@@ -23,8 +23,15 @@ from tests.support.processes import FakeBackend, Gateway, start_fake_backend, wa
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
 
 
+# Reservations are held by a key, judged from the head: the stalled body needs one.
+RESERVER = "sk-reserver-key"
+
+
 def config(backend: FakeBackend) -> str:
-    return f"models: {{m: {{backends: [{{proxy: {backend.port}}}]}}}}\n"
+    return (
+        f"models: {{m: {{backends: [{{proxy: {backend.port}}}]}}}}\n"
+        f"keys: {{reserver: {{secret: {RESERVER}}}}}\n"
+    )
 
 
 def port_of(gw: Gateway) -> int:
@@ -36,9 +43,14 @@ def partial_body(
     gw: Gateway, path: str, declared: int, sent: bytes, content_type: str = "application/json"
 ) -> Iterator[socket.socket]:
     """A connection that sent a head declaring `declared` body bytes and then `sent` of
-    them, and nothing more. `/upstream` is the operator's: it carries the admin token."""
+    them, and nothing more. `/upstream` is the operator's: it carries the admin token;
+    a reservation is a key's: it carries one."""
     sock = socket.create_connection(("127.0.0.1", port_of(gw)), timeout=10)
-    auth = f"Authorization: Bearer {gw.token}\r\n" if path.startswith("/upstream/") else ""
+    auth = ""
+    if path.startswith("/upstream/"):
+        auth = f"Authorization: Bearer {gw.token}\r\n"
+    elif path == "/v1/reservations":
+        auth = f"Authorization: Bearer {RESERVER}\r\n"
     try:
         head = (
             f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: {content_type}\r\n"

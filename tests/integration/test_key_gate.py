@@ -24,16 +24,18 @@ scheduler: {{requireKeys: true}}
 HI = [{"role": "user", "content": "hi"}]
 
 
-def head_only(gw: Gateway, key: str | None) -> tuple[bytes, float]:
-    """A chat request's head declaring a 40 MB body, and no body byte: the answer and how
-    long it took."""
+def head_only(
+    gw: Gateway, key: str | None, path: str = "/v1/chat/completions"
+) -> tuple[bytes, float]:
+    """A request's head declaring a 40 MB body, and no body byte: the answer and how long
+    it took."""
     port = int(gw.url.rsplit(":", 1)[1])
     auth = f"Authorization: Bearer {key}\r\n" if key else ""
     with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
         began = time.monotonic()
         sock.sendall(
             (
-                "POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
+                f"POST {path} HTTP/1.1\r\nHost: x\r\n"
                 f"Content-Type: application/json\r\n{auth}Content-Length: 40000000\r\n\r\n"
             ).encode()
         )
@@ -55,6 +57,9 @@ def test_T5_a_key_is_judged_from_the_head_before_any_body_byte(gateway_factory):
         assert b'"code":"' + code + b'"' in answer
     answer, took = head_only(gw, "sk-old-key")
     assert answer.startswith(b"HTTP/1.1 401 ") and b'"code":"key_expired"' in answer
+    # Every surface that reads a body: a reservation's too.
+    answer, took = head_only(gw, "sk-stranger", "/v1/reservations")
+    assert answer.startswith(b"HTTP/1.1 401 ") and took < 5, (answer[:200], took)
 
 
 def test_T1_an_expired_key_is_refused_as_expired(gateway_factory):
