@@ -20,7 +20,7 @@ import os
 import socket
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from corrallm.auth.keys import Identity
 from corrallm.auth.limits import (
@@ -60,7 +60,7 @@ def asks_of(identity: Identity | None, user: str | None) -> tuple[Ask, ...]:
     return (*identity.asks, Ask(f"key:{identity.name}/user:{user}", per_user))
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Peek:
     """A key's counts, read only when an answer that did not count it starts."""
 
@@ -77,7 +77,7 @@ class Pass:
 
     hold: Hold
     remaining: Remaining  # after this request: for the x-ratelimit-* headers
-    rows: list[int] = field(default_factory=list)
+    rows: Sequence[int] = ()  # its rows in a shared store (none in memory)
 
 
 class Throttle:

@@ -117,7 +117,8 @@ class CostModel:
         is metered in bytes), so it reserves none."""
         if self.audio(backend):
             return 0
-        return guess(body_bytes, max_tokens).tokens
+        # guess(...).tokens without its Metered (this runs once per limited request)
+        return body_bytes // BYTES_PER_TOKEN + (max_tokens or DEFAULT_COMPLETION_ESTIMATE)
 
     def _energy(self, wh: float) -> Price:
         return Price(wh, wh * self._per_kwh / 1000)

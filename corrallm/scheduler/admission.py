@@ -37,6 +37,7 @@ from corrallm.scheduler.leases import Lease, Leases
 log = logging.getLogger("corrallm.scheduler")
 
 BUILTIN_DEFAULT = PolicyConfig(queue=True)  # the built-in default group queues (SPEC §2)
+REJECT = PolicyConfig(reject=True)  # a configured group without a "default" policy
 
 
 class Rejected(Exception):
@@ -297,7 +298,7 @@ class Admission:
             chosen = BUILTIN_DEFAULT
         else:
             chosen = group.on_saturated.get(backend_type) or group.on_saturated.get(
-                "default", PolicyConfig(reject=True)
+                "default", REJECT
             )
         return Policy(preempt=chosen.preempt, spill=chosen.spill, queue=chosen.queue)
 
