@@ -22,8 +22,8 @@ import orjson
 
 from corrallm.api.auth import authorized, canonical
 from corrallm.gateway import Gateway
-from corrallm.metrics import CONTENT_TYPE
 from corrallm.observe.context import CURRENT, HEADER, Exchange, new_request_id
+from corrallm.observe.metrics import CONTENT_TYPE
 from corrallm.peers import lanes
 from corrallm.proxy import (
     anthropic,
@@ -390,8 +390,8 @@ def _settle_garbage_collector() -> None:
 
 def _reload_on_sighup(gateway: Gateway) -> None:
     """SIGHUP re-reads the config (SPEC §10 P6); a bad file is logged and refused."""
+    from corrallm.api.reload import read_config, reload
     from corrallm.config import ConfigError
-    from corrallm.reload import read_config, reload
 
     async def on_sighup() -> None:
         try:

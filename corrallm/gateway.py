@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -30,17 +30,17 @@ from corrallm.config import Config
 from corrallm.config.schema import ProcessSpec
 from corrallm.cost.economics import Economics
 from corrallm.cost.ledger import Ledger, Visit
-from corrallm.events import EventBus
-from corrallm.housekeeping import housekeeping, reaper
 from corrallm.lifecycle.errors import LifecycleError
 from corrallm.lifecycle.pauses import Pauses
 from corrallm.lifecycle.probe import HealthProbe
 from corrallm.lifecycle.recovery import recover
 from corrallm.lifecycle.supervisor import Supervisor
 from corrallm.lifecycle.transitions import Transitions
-from corrallm.metrics import Metrics
 from corrallm.observe.captures import Captures
+from corrallm.observe.events import EventBus
 from corrallm.observe.live import LiveRequests
+from corrallm.observe.metrics import Metrics
+from corrallm.observe.telemetry import Telemetry
 from corrallm.peers.catalog import PeerView
 from corrallm.peers.endpoint import PeerEndpoint
 from corrallm.peers.nodes import Nodes
@@ -49,9 +49,10 @@ from corrallm.residency.manager import Residency
 from corrallm.residency.measure import memory_reader
 from corrallm.routing.router import Route, ServedModel
 from corrallm.scheduler.admission import Admission
+from corrallm.store import queries
 from corrallm.store.activity import ActivityLog
+from corrallm.store.db import Store
 from corrallm.store.location import store_at
-from corrallm.telemetry import Telemetry
 from corrallm.topology import Topology, build
 
 log = logging.getLogger("corrallm.lifecycle")
@@ -151,7 +152,7 @@ class Gateway:
     def reconfigure(self, config: Config) -> Topology:
         """P6: build the new config's topology (unchanged processes carried over), swap it
         in, and hand its parts to the long-lived owners. Returns the topology it replaced;
-        retiring the processes that left it is the caller's (reload.py)."""
+        retiring the processes that left it is the caller's (api/reload.py)."""
         previous = self.topology
         self.nodes.reconfigure(config)
         self._footprints = estimate_footprints(config)[0]
@@ -296,3 +297,59 @@ async def _preload(served: ServedModel) -> None:
         await served.primary.endpoint.ensure_ready()
     except LifecycleError as exc:
         log.warning("preload of %s failed: %s", served.name, exc)
+
+
+# The gateway's periodic work, off the request path: the reaper (every second: expired
+# leases, live admission load, ttl-expired residents, expired pauses) and housekeeping
+# (queue depth sampled every few seconds, C4; activity past retention pruned hourly).
+# Each pass that fails is logged and tried again; neither loop ever dies of an error.
+
+
+REAPER_SECONDS = 1.0
+QUEUE_SAMPLE_SECONDS = 5.0
+PRUNE_SECONDS = 3600.0
+
+
+async def reaper(
+    admission: Admission, telemetry: Telemetry, residency: Residency, pauses: Pauses
+) -> None:
+    while True:
+        await asyncio.sleep(REAPER_SECONDS)
+        try:
+            admission.expire_leases()
+            telemetry.publish_load()
+            await residency.reap_expired()
+            await pauses.expire()
+        except Exception:
+            log.exception("reaper pass failed; trying again")
+
+
+async def housekeeping(
+    admission: Admission,
+    route_ids: Callable[[], Iterable[str]],
+    store: Store,
+    events: EventBus,
+    retention: float,
+) -> None:
+    last_prune = 0.0
+    while True:
+        await asyncio.sleep(QUEUE_SAMPLE_SECONDS)
+        try:
+            now = time.time()
+            samples = []
+            for route_id in route_ids():
+                _, in_flight, waiting = admission.core.load(route_id)
+                if waiting or in_flight:  # an idle backend's absence reads as zero
+                    samples.append((route_id, waiting, in_flight))
+            await queries.record_queue_depth(store, now, samples)
+            events.publish(
+                "queue_depth",
+                {"points": [{"backend": b, "waiting": w, "in_flight": f} for b, w, f in samples]},
+            )
+            if now - last_prune >= PRUNE_SECONDS:
+                last_prune = now
+                pruned = await queries.prune(store, now - retention)
+                if pruned:
+                    log.info("pruned %d activity rows older than the retention", pruned)
+        except Exception:
+            log.exception("housekeeping pass failed; trying again")

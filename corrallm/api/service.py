@@ -371,7 +371,7 @@ def reservations(gw: Gateway) -> dict[str, Any]:
 
 async def reload_config(gw: Gateway) -> dict[str, Any]:
     """SPEC §10 P6: re-read the config file; refused with every problem if it is bad."""
-    from corrallm.reload import read_config, reload
+    from corrallm.api.reload import read_config, reload
 
     try:
         config = read_config(gw)

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 if TYPE_CHECKING:
     from corrallm.cost.ledger import Visit
-    from corrallm.events import EventBus
+    from corrallm.observe.events import EventBus
 
 Phase = Literal["queued", "loading", "running"]
 

@@ -37,7 +37,7 @@ from uvicorn.protocols.http.httptools_impl import (
     RequestResponseCycle,
 )
 
-from corrallm.head_guard import GuardedProtocol, HeadGuard
+from corrallm.http.head_guard import GuardedProtocol, HeadGuard
 from corrallm.proxy.asgi import CONNECTION
 
 _NAME, _VALUE = itemgetter(0), itemgetter(1)
