@@ -22,6 +22,17 @@ import orjson
 
 from corrallm.api.auth import authorized, canonical
 from corrallm.gateway import Gateway
+from corrallm.http.asgi import (
+    ASGIApp,
+    ClientGone,
+    Message,
+    Receive,
+    Scope,
+    Send,
+    header,
+    send_bytes,
+)
+from corrallm.http.errors import ApiError, internal, not_found, quoted
 from corrallm.observe.context import CURRENT, HEADER, Exchange, new_request_id
 from corrallm.observe.metrics import CONTENT_TYPE
 from corrallm.peers import lanes
@@ -34,18 +45,7 @@ from corrallm.proxy import (
     reservations,
     responses,
 )
-from corrallm.proxy.asgi import (
-    ASGIApp,
-    ClientGone,
-    Message,
-    Receive,
-    Scope,
-    Send,
-    header,
-    send_bytes,
-)
 from corrallm.proxy.bodies import Bodies, BodyLimits
-from corrallm.proxy.errors import ApiError, internal, not_found, quoted
 from corrallm.proxy.models import ModelCatalog
 from corrallm.proxy.pipeline import Pipeline
 from corrallm.ui.app import Dashboard, is_dashboard_path

@@ -15,7 +15,7 @@ import secrets
 from http.cookies import SimpleCookie
 from pathlib import Path
 
-from corrallm.proxy.asgi import Scope, header
+from corrallm.http.asgi import Scope, header
 from corrallm.store.home import private_folder
 
 TOKEN_FILE = "admin.token"

@@ -19,7 +19,7 @@ from strawberry.types import Info
 
 from corrallm.api import keys, schemas, service, usage
 from corrallm.gateway import Gateway
-from corrallm.proxy.errors import ApiError
+from corrallm.http.errors import ApiError
 
 _TYPES: dict[type[BaseModel], type] = {}
 

@@ -19,7 +19,7 @@ from corrallm.config.schema import KeyPolicy
 from corrallm.config.units import rfc3339
 from corrallm.config.validation import did_you_mean
 from corrallm.gateway import Gateway
-from corrallm.proxy.errors import ApiError
+from corrallm.http.errors import ApiError
 from corrallm.store.db import StoreUnavailable
 
 

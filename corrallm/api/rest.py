@@ -19,8 +19,8 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from corrallm import __version__
 from corrallm.api import keys, schemas, service, usage
 from corrallm.gateway import Gateway
+from corrallm.http.errors import ApiError, internal
 from corrallm.observe.events import HEARTBEAT_SECONDS
-from corrallm.proxy.errors import ApiError, internal
 from corrallm.store.db import StoreUnavailable
 
 log = logging.getLogger("corrallm.api")

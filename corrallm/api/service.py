@@ -17,13 +17,13 @@ from typing import Any
 from corrallm.config import ConfigError
 from corrallm.config.units import parse_duration, rfc3339
 from corrallm.gateway import Gateway
+from corrallm.http.errors import ApiError, lifecycle_failure
 from corrallm.lifecycle.errors import LifecycleBusy, LifecycleError
 from corrallm.lifecycle.pauses import Kind
 from corrallm.lifecycle.supervisor import Supervisor
 from corrallm.observe.ring import Record
-from corrallm.proxy.errors import ApiError, lifecycle_failure
-from corrallm.proxy.reservations import live_leases
 from corrallm.routing.router import ServedModel
+from corrallm.scheduler.admission import live_leases
 from corrallm.store.db import StoreUnavailable
 
 # -- lookups -------------------------------------------------------------------------
@@ -366,7 +366,7 @@ def economics(gw: Gateway) -> dict[str, Any]:
 
 def reservations(gw: Gateway) -> dict[str, Any]:
     """Live leases (SPEC §7): who holds how many slots of which backend, until when."""
-    return {"reservations": live_leases(gw)}
+    return {"reservations": live_leases(gw.admission)}
 
 
 async def reload_config(gw: Gateway) -> dict[str, Any]:

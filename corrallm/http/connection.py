@@ -37,8 +37,8 @@ from uvicorn.protocols.http.httptools_impl import (
     RequestResponseCycle,
 )
 
+from corrallm.http.asgi import CONNECTION
 from corrallm.http.head_guard import GuardedProtocol, HeadGuard
-from corrallm.proxy.asgi import CONNECTION
 
 _NAME, _VALUE = itemgetter(0), itemgetter(1)
 _FRAMING = frozenset({b"content-length", b"transfer-encoding", b"connection"})

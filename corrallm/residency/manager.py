@@ -45,6 +45,10 @@ DEFAULT_WAKE_SECONDS = 5.0
 class NoRoom(LifecycleError):
     """No eviction can make room now, and none came free within the wait."""
 
+    status = 503
+    management_status = 503
+    code = "insufficient_capacity"
+
 
 @dataclass
 class Tenancy:
