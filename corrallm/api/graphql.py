@@ -18,6 +18,7 @@ from strawberry.scalars import JSON
 from strawberry.types import Info
 
 from corrallm.api import keys, schemas, service, usage
+from corrallm.config.names import public_name
 from corrallm.gateway import Gateway
 from corrallm.http.errors import ApiError
 
@@ -44,9 +45,8 @@ def _gql(model: type[BaseModel]) -> type:
         elif schemas.WIDE in field.metadata:
             overrides[name] = BigInt
     namespace = {"__annotations__": overrides}
-    cls = sp.type(model=model, all_fields=True, name=model.__name__)(
-        type(model.__name__, (), namespace)
-    )
+    name = public_name(model)
+    cls = sp.type(model=model, all_fields=True, name=name)(type(name, (), namespace))
     _TYPES[model] = cls
     return cls
 
@@ -109,11 +109,11 @@ def _sync(model: type[BaseModel], fn: Any, *args: Any) -> Any:
 
 
 Overview = _gql(schemas.Overview)
-Residency = _gql(schemas.Residency)
+Residency = _gql(schemas.ResidencyView)
 Lanes = _gql(schemas.Lanes)
-Reservations = _gql(schemas.Reservations)
-Economics = _gql(schemas.Economics)
-LiveRequests = _gql(schemas.LiveRequests)
+Reservations = _gql(schemas.ReservationsView)
+Economics = _gql(schemas.EconomicsView)
+LiveRequests = _gql(schemas.LiveRequestsView)
 CancelResult = _gql(schemas.CancelResult)
 ReloadResult = _gql(schemas.ReloadResult)
 Logs = _gql(schemas.Logs)
@@ -143,7 +143,7 @@ def _overview(info: Info) -> Any:
 
 
 def _residency(info: Info) -> Any:
-    return _sync(schemas.Residency, service.residency, _gw(info))
+    return _sync(schemas.ResidencyView, service.residency, _gw(info))
 
 
 def _lanes(info: Info) -> Any:
@@ -151,15 +151,15 @@ def _lanes(info: Info) -> Any:
 
 
 def _reservations(info: Info) -> Any:
-    return _sync(schemas.Reservations, service.reservations, _gw(info))
+    return _sync(schemas.ReservationsView, service.reservations, _gw(info))
 
 
 def _economics(info: Info) -> Any:
-    return _sync(schemas.Economics, service.economics, _gw(info))
+    return _sync(schemas.EconomicsView, service.economics, _gw(info))
 
 
 def _live_requests(info: Info) -> Any:
-    return _sync(schemas.LiveRequests, service.live_requests, _gw(info))
+    return _sync(schemas.LiveRequestsView, service.live_requests, _gw(info))
 
 
 def _cancel_request(info: Info, id: str) -> Any:

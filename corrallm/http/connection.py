@@ -196,7 +196,7 @@ class LeanCycle(RequestResponseCycle):
                 self.transport.write(head)
 
 
-class Connection(GuardedProtocol):
+class ClientConnection(GuardedProtocol):
     """One client connection: the head limits, the lean cycle with its disconnect hook."""
 
     _watchers: list[Callable[[], None]] | None = None  # per connection, made on first use
@@ -222,11 +222,11 @@ class Connection(GuardedProtocol):
             gone()
 
 
-def protocol_class(guard: HeadGuard) -> type[Connection]:
+def protocol_class(guard: HeadGuard) -> type[ClientConnection]:
     """A `Connection` subclass bound to `guard`, for `uvicorn.Config(http=...)` (which
     takes a class and makes one per connection)."""
 
-    class CorrallmHttpProtocol(Connection):
+    class CorrallmHttpProtocol(ClientConnection):
         pass
 
     CorrallmHttpProtocol.guard = guard

@@ -25,7 +25,7 @@ if TYPE_CHECKING:
 Phase = Literal["queued", "loading", "running"]
 
 
-class Counted(Protocol):
+class MeterReading(Protocol):
     """What a relay's meter says of the answer so far (`proxy.metering.Meter`)."""
 
     @property
@@ -37,7 +37,7 @@ class LiveRequest:
     visit: Visit
     task: asyncio.Task[Any] | None
     state: Phase = "queued"
-    meter: Counted | None = None  # set by the surface once it relays an answer
+    meter: MeterReading | None = None  # set by the surface once it relays an answer
     cancelled: bool = False  # an operator asked for it to end
 
     @property

@@ -20,7 +20,7 @@ from urllib.parse import parse_qs
 
 import orjson
 
-from corrallm.config.schema import Reservations
+from corrallm.config.schema import ReservationsConfig as Reservations
 from corrallm.config.units import parse_duration, rfc3339
 from corrallm.cost.ledger import Visit
 from corrallm.gateway import Caller, Gateway

@@ -6,7 +6,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from corrallm.config.schema import Backend, Model, PriorityGroup
+from corrallm.config.schema import BackendConfig, ModelConfig, PriorityGroup
 from corrallm.lifecycle.state import State
 from corrallm.routing.filters import NO_FILTERS, RequestFilters
 from corrallm.routing.tiers import may_serve, tiers
@@ -36,7 +36,7 @@ class Route:
 
     id: str
     model: str
-    config: Backend
+    config: BackendConfig
     endpoint: Endpoint
     filters: RequestFilters = NO_FILTERS  # its model's request filters (K5)
 
@@ -44,7 +44,7 @@ class Route:
 @dataclass
 class ServedModel:
     name: str
-    config: Model
+    config: ModelConfig
     routes: list[Route]
     _tiers: list[list[Route]] = field(init=False)
 

@@ -18,8 +18,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from corrallm.config.schema import Config, PriorityGroup
-from corrallm.config.schema import Policy as PolicyConfig
+from corrallm.config.schema import Config, PolicyConfig, PriorityGroup
 from corrallm.config.units import rfc3339
 from corrallm.routing.affinity import Affinity
 from corrallm.routing.choice import ranks

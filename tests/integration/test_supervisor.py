@@ -9,7 +9,7 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from corrallm.config.schema import Backend
+from corrallm.config.schema import BackendConfig as Backend
 from corrallm.lifecycle import supervisor as supervisor_module
 from corrallm.lifecycle.addresses import free_port
 from corrallm.lifecycle.errors import BackendFailed, LifecycleBusy

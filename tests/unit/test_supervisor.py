@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 
-from corrallm.config.schema import Backend
+from corrallm.config.schema import BackendConfig as Backend
 from corrallm.lifecycle.pidrecords import PidRecord
 from corrallm.lifecycle.state import State
 from corrallm.lifecycle.supervisor import HEALTH_POLL_SECONDS, Supervisor
