@@ -21,8 +21,9 @@ from dataclasses import dataclass, field
 from corrallm.config.schema import ANY_GPU, Server
 from corrallm.config.units import format_size
 from corrallm.lifecycle.errors import LifecycleError
+from corrallm.lifecycle.starting import Placement
 from corrallm.lifecycle.state import State
-from corrallm.lifecycle.supervisor import Placement, Supervisor
+from corrallm.lifecycle.supervisor import Supervisor
 from corrallm.lifecycle.transitions import Transitions
 from corrallm.residency.learning import Learning, in_pools, mismatches
 from corrallm.residency.measure import MemoryReader, command_key, visible_gpu
