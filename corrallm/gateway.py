@@ -42,7 +42,6 @@ from corrallm.observe.live import LiveRequests
 from corrallm.observe.metrics import Metrics
 from corrallm.observe.telemetry import Telemetry
 from corrallm.peers.catalog import PeerView
-from corrallm.peers.endpoint import PeerEndpoint
 from corrallm.peers.nodes import Nodes
 from corrallm.residency.footprints import estimate_footprints
 from corrallm.residency.manager import Residency
@@ -182,25 +181,22 @@ class Gateway:
         self.events.publish("peer", view.view())
         if not view.up:
             self.admission.evacuate(
-                {
-                    r.id
-                    for r in self.routes.values()
-                    if isinstance(r.endpoint, PeerEndpoint) and r.endpoint.peer is view
-                }
+                {r.id for r in self.routes.values() if r.endpoint.describe().node == view.name}
             )
 
     def stale(self, route: Route) -> bool:
         """Whether a route taken before a config reload no longer leads to a backend of
         the config in force (removed, or replaced by one with a new spec)."""
         endpoint = route.endpoint
-        if isinstance(endpoint, PeerEndpoint) and not endpoint.available():
+        described = endpoint.describe()
+        if described.kind == "peer" and not endpoint.available():
             return True  # X4: its peer went down while the request waited for it
-        return route.id not in self.routes or getattr(endpoint, "retired", False)
+        return route.id not in self.routes or described.retired
 
     def placeable(self, route: Route) -> bool:
         """Could this route serve now without waiting for memory (R2 spill)?"""
         endpoint = route.endpoint
-        return not isinstance(endpoint, Supervisor) or self.residency.could_fit(endpoint)
+        return endpoint.describe().kind != "process" or self.residency.could_fit(endpoint)
 
     def settle(self, visit: Visit) -> None:
         """A request is over: its cost, spend, activity row, metrics and usage event."""

@@ -53,9 +53,9 @@ class Topology:
     def own_supervisors(self, served: ServedModel) -> list[Supervisor]:
         """The processes a model alone owns (not the extensions it shares with others)."""
         return [
-            r.endpoint
+            self.supervisors[r.id]
             for r in served.routes
-            if isinstance(r.endpoint, Supervisor) and not r.config.extension
+            if not r.config.extension and r.id in self.supervisors
         ]
 
     def pausables(self) -> dict[tuple[Kind, str], Pausable]:

@@ -103,10 +103,7 @@ async def load_model(gw: Gateway, name: str) -> dict[str, Any]:
     route = served.tiers_for(None, gw.placeable)[0][0]
     endpoint = route.endpoint
     try:
-        if isinstance(endpoint, Supervisor):
-            await endpoint.load()
-        else:
-            await endpoint.ensure_ready()
+        await endpoint.load()
     except LifecycleError as exc:
         raise _lifecycle_error(exc) from exc
     return {"model": served.name, "backend": route.id, "state": str(endpoint.state)}
@@ -199,10 +196,9 @@ def _lifecycle_error(exc: LifecycleError) -> ApiError:
 
 def model_logs(gw: Gateway, name: str, lines: int = 100) -> dict[str, Any]:
     served = served_model(gw, name)
-    endpoint = served.primary.endpoint
-    if not isinstance(endpoint, Supervisor):
+    logs = served.primary.endpoint.describe().logs
+    if logs is None:
         return {"model": served.name, "lines": [], "n_ctx": None, "n_slots": None}
-    logs = endpoint.logs
     return {
         "model": served.name,
         "lines": logs.tail(lines),
@@ -219,7 +215,8 @@ def overview(gw: Gateway) -> dict[str, Any]:
         backends = []
         for route in served.routes:
             endpoint = route.endpoint
-            logs = endpoint.logs if isinstance(endpoint, Supervisor) else None
+            described = endpoint.describe()
+            logs = described.logs
             tenancy = gw.residency.tenancies.get(endpoint.id)
             _, in_flight, waiting = gw.admission.core.load(route.id)
             backends.append(
@@ -234,14 +231,14 @@ def overview(gw: Gateway) -> dict[str, Any]:
                     "waiting": waiting,
                     "n_ctx": logs.n_ctx if logs else None,
                     "n_slots": logs.n_slots if logs else None,
-                    "pid": endpoint.pid if isinstance(endpoint, Supervisor) else None,
+                    "pid": described.pid,
                     "extension": route.config.extension,
-                    "last_error": getattr(endpoint, "last_error", None),
-                    "sleeps": isinstance(endpoint, Supervisor) and endpoint.spec.sleep is not None,
+                    "last_error": described.last_error,
+                    "sleeps": described.sleeps,
                     "peer": route.config.peer,
                     "modes": list(route.config.modes),
                     "service_seconds": gw.admission.core.backends[route.id].service,
-                    "load_seconds": getattr(endpoint, "last_load_seconds", None),
+                    "load_seconds": described.load_seconds,
                 }
             )
         models.append(

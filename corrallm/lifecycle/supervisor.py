@@ -31,6 +31,7 @@ from corrallm.lifecycle import slots, supervision
 from corrallm.lifecycle.addresses import (
     origin,
 )
+from corrallm.lifecycle.description import Description
 from corrallm.lifecycle.errors import (
     BackendFailed,
     BackendPaused,
@@ -194,6 +195,19 @@ class Supervisor(Starting):
             if self.state is State.DRAINING:
                 self._notify()
             self.bus.idle(self)
+
+    def describe(self) -> Description:
+        return Description(
+            "process",
+            self.state,
+            self.base_url,
+            pid=self.pid,
+            last_error=self.last_error,
+            load_seconds=self.last_load_seconds,
+            sleeps=self.spec.sleep is not None,
+            retired=self.retired,
+            logs=self.logs,
+        )
 
     async def load(self) -> None:
         """An explicit load: refused while another lifecycle action runs (L4)."""

@@ -17,6 +17,7 @@ import math
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from corrallm.config.schema import ANY_GPU, Server
 from corrallm.config.units import format_size
@@ -41,6 +42,15 @@ HOLDING = frozenset(
 # swap.wakeSeconds) or measured: the planner compares a sleep with a stop by these.
 DEFAULT_LOAD_SECONDS = 30.0
 DEFAULT_WAKE_SECONDS = 5.0
+
+
+class Placeable(Protocol):
+    """What `could_fit` reads of a process: which one, and its state."""
+
+    @property
+    def id(self) -> str: ...
+    @property
+    def state(self) -> State: ...
 
 
 class NoRoom(LifecycleError):
@@ -233,7 +243,7 @@ class Residency:
                 total[pool] = total.get(pool, 0) + n
         return total
 
-    def could_fit(self, sup: Supervisor) -> bool:
+    def could_fit(self, sup: Placeable) -> bool:
         """Whether a start of `sup` could be placed now, evicting idle residents if needed."""
         tenancy = self.tenancies.get(sup.id)
         if tenancy is None or tenancy.server is None:
