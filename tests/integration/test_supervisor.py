@@ -10,7 +10,7 @@ import aiohttp
 import pytest
 
 from corrallm.config.schema import BackendConfig as Backend
-from corrallm.lifecycle import supervisor as supervisor_module
+from corrallm.lifecycle import starting as supervisor_module
 from corrallm.lifecycle.addresses import free_port
 from corrallm.lifecycle.errors import BackendFailed, LifecycleBusy
 from corrallm.lifecycle.process import group_alive
