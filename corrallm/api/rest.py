@@ -146,11 +146,11 @@ def build_rest(gw: Gateway) -> FastAPI:
         return service.live_requests(gw)
 
     @app.post(f"{PREFIX}/requests/{{request_id}}/cancel", response_model=schemas.CancelResult)
-    async def cancel_request(request_id: str) -> dict[str, Any]:
+    async def cancel_request(request_id: str) -> schemas.CancelResult:
         return service.cancel_request(gw, request_id)
 
     @app.get(f"{PREFIX}/reservations", response_model=schemas.ReservationsView)
-    async def reservations() -> dict[str, Any]:
+    async def reservations() -> schemas.ReservationsView:
         return service.reservations(gw)
 
     @app.get(
@@ -192,7 +192,7 @@ def build_rest(gw: Gateway) -> FastAPI:
     @app.get(f"{PREFIX}/models/logs", response_model=schemas.Logs)
     async def model_logs(
         model: str = Query(min_length=1), lines: int = Query(100, ge=0, le=10000)
-    ) -> dict[str, Any]:
+    ) -> schemas.Logs:
         return service.model_logs(gw, model, lines)
 
     @app.post(f"{PREFIX}/models/load", response_model=schemas.ActionResult)

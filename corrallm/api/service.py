@@ -14,6 +14,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from corrallm.api.schemas import CancelResult, Logs, ReservationsView, ReservationView
 from corrallm.config import ConfigError
 from corrallm.config.units import parse_duration, rfc3339
 from corrallm.gateway import Gateway
@@ -194,17 +195,12 @@ def _lifecycle_error(exc: LifecycleError) -> ApiError:
 # -- views ---------------------------------------------------------------------------
 
 
-def model_logs(gw: Gateway, name: str, lines: int = 100) -> dict[str, Any]:
+def model_logs(gw: Gateway, name: str, lines: int = 100) -> Logs:
     served = served_model(gw, name)
     logs = served.primary.endpoint.describe().logs
     if logs is None:
-        return {"model": served.name, "lines": [], "n_ctx": None, "n_slots": None}
-    return {
-        "model": served.name,
-        "lines": logs.tail(lines),
-        "n_ctx": logs.n_ctx,
-        "n_slots": logs.n_slots,
-    }
+        return Logs(model=served.name, lines=[], n_ctx=None, n_slots=None)
+    return Logs(model=served.name, lines=logs.tail(lines), n_ctx=logs.n_ctx, n_slots=logs.n_slots)
 
 
 def overview(gw: Gateway) -> dict[str, Any]:
@@ -340,7 +336,7 @@ def live_requests(gw: Gateway) -> dict[str, Any]:
     return {"requests": gw.live.views()}
 
 
-def cancel_request(gw: Gateway, request_id: str) -> dict[str, Any]:
+def cancel_request(gw: Gateway, request_id: str) -> CancelResult:
     """End one held request: a queued or loading one gets 503 `cancelled`, a running one
     is cancelled upstream (a stream ends with an error event and [DONE])."""
     live = gw.live.cancel(request_id)
@@ -351,7 +347,7 @@ def cancel_request(gw: Gateway, request_id: str) -> dict[str, Any]:
             "GET /api/v1/requests lists the requests held now.",
             "request_not_found",
         )
-    return {"id": live.id, "state": live.state, "cancelled": True}
+    return CancelResult(id=live.id, state=live.state, cancelled=True)
 
 
 def economics(gw: Gateway) -> dict[str, Any]:
@@ -361,9 +357,10 @@ def economics(gw: Gateway) -> dict[str, Any]:
     return {**ledger, "since": rfc3339(ledger["since"]), "rows": rows}
 
 
-def reservations(gw: Gateway) -> dict[str, Any]:
+def reservations(gw: Gateway) -> ReservationsView:
     """Live leases (SPEC §7): who holds how many slots of which backend, until when."""
-    return {"reservations": live_leases(gw.admission)}
+    leases = live_leases(gw.admission)
+    return ReservationsView(reservations=[ReservationView(**lease) for lease in leases])
 
 
 async def reload_config(gw: Gateway) -> dict[str, Any]:
