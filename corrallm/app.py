@@ -22,8 +22,19 @@ import orjson
 
 from corrallm.api.auth import authorized, canonical
 from corrallm.gateway import Gateway
-from corrallm.metrics import CONTENT_TYPE
+from corrallm.http.asgi import (
+    ASGIApp,
+    ClientGone,
+    Message,
+    Receive,
+    Scope,
+    Send,
+    header,
+    send_bytes,
+)
+from corrallm.http.errors import ApiError, internal, not_found, quoted
 from corrallm.observe.context import CURRENT, HEADER, Exchange, new_request_id
+from corrallm.observe.metrics import CONTENT_TYPE
 from corrallm.peers import lanes
 from corrallm.proxy import (
     anthropic,
@@ -34,18 +45,7 @@ from corrallm.proxy import (
     reservations,
     responses,
 )
-from corrallm.proxy.asgi import (
-    ASGIApp,
-    ClientGone,
-    Message,
-    Receive,
-    Scope,
-    Send,
-    header,
-    send_bytes,
-)
 from corrallm.proxy.bodies import Bodies, BodyLimits
-from corrallm.proxy.errors import ApiError, internal, not_found, quoted
 from corrallm.proxy.models import ModelCatalog
 from corrallm.proxy.pipeline import Pipeline
 from corrallm.ui.app import Dashboard, is_dashboard_path
@@ -390,8 +390,8 @@ def _settle_garbage_collector() -> None:
 
 def _reload_on_sighup(gateway: Gateway) -> None:
     """SIGHUP re-reads the config (SPEC §10 P6); a bad file is logged and refused."""
+    from corrallm.api.reload import read_config, reload
     from corrallm.config import ConfigError
-    from corrallm.reload import read_config, reload
 
     async def on_sighup() -> None:
         try:

@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -30,28 +30,28 @@ from corrallm.config import Config
 from corrallm.config.schema import ProcessSpec
 from corrallm.cost.economics import Economics
 from corrallm.cost.ledger import Ledger, Visit
-from corrallm.events import EventBus
-from corrallm.housekeeping import housekeeping, reaper
 from corrallm.lifecycle.errors import LifecycleError
 from corrallm.lifecycle.pauses import Pauses
 from corrallm.lifecycle.probe import HealthProbe
 from corrallm.lifecycle.recovery import recover
 from corrallm.lifecycle.supervisor import Supervisor
 from corrallm.lifecycle.transitions import Transitions
-from corrallm.metrics import Metrics
 from corrallm.observe.captures import Captures
+from corrallm.observe.events import EventBus
 from corrallm.observe.live import LiveRequests
+from corrallm.observe.metrics import Metrics
+from corrallm.observe.telemetry import Telemetry
 from corrallm.peers.catalog import PeerView
-from corrallm.peers.endpoint import PeerEndpoint
 from corrallm.peers.nodes import Nodes
 from corrallm.residency.footprints import estimate_footprints
 from corrallm.residency.manager import Residency
 from corrallm.residency.measure import memory_reader
 from corrallm.routing.router import Route, ServedModel
 from corrallm.scheduler.admission import Admission
+from corrallm.store import queries
 from corrallm.store.activity import ActivityLog
+from corrallm.store.db import Store
 from corrallm.store.location import store_at
-from corrallm.telemetry import Telemetry
 from corrallm.topology import Topology, build
 
 log = logging.getLogger("corrallm.lifecycle")
@@ -151,7 +151,7 @@ class Gateway:
     def reconfigure(self, config: Config) -> Topology:
         """P6: build the new config's topology (unchanged processes carried over), swap it
         in, and hand its parts to the long-lived owners. Returns the topology it replaced;
-        retiring the processes that left it is the caller's (reload.py)."""
+        retiring the processes that left it is the caller's (api/reload.py)."""
         previous = self.topology
         self.nodes.reconfigure(config)
         self._footprints = estimate_footprints(config)[0]
@@ -181,25 +181,22 @@ class Gateway:
         self.events.publish("peer", view.view())
         if not view.up:
             self.admission.evacuate(
-                {
-                    r.id
-                    for r in self.routes.values()
-                    if isinstance(r.endpoint, PeerEndpoint) and r.endpoint.peer is view
-                }
+                {r.id for r in self.routes.values() if r.endpoint.describe().node == view.name}
             )
 
     def stale(self, route: Route) -> bool:
         """Whether a route taken before a config reload no longer leads to a backend of
         the config in force (removed, or replaced by one with a new spec)."""
         endpoint = route.endpoint
-        if isinstance(endpoint, PeerEndpoint) and not endpoint.available():
+        described = endpoint.describe()
+        if described.kind == "peer" and not endpoint.available():
             return True  # X4: its peer went down while the request waited for it
-        return route.id not in self.routes or getattr(endpoint, "retired", False)
+        return route.id not in self.routes or described.retired
 
     def placeable(self, route: Route) -> bool:
         """Could this route serve now without waiting for memory (R2 spill)?"""
         endpoint = route.endpoint
-        return not isinstance(endpoint, Supervisor) or self.residency.could_fit(endpoint)
+        return endpoint.describe().kind != "process" or self.residency.could_fit(endpoint)
 
     def settle(self, visit: Visit) -> None:
         """A request is over: its cost, spend, activity row, metrics and usage event."""
@@ -296,3 +293,59 @@ async def _preload(served: ServedModel) -> None:
         await served.primary.endpoint.ensure_ready()
     except LifecycleError as exc:
         log.warning("preload of %s failed: %s", served.name, exc)
+
+
+# The gateway's periodic work, off the request path: the reaper (every second: expired
+# leases, live admission load, ttl-expired residents, expired pauses) and housekeeping
+# (queue depth sampled every few seconds, C4; activity past retention pruned hourly).
+# Each pass that fails is logged and tried again; neither loop ever dies of an error.
+
+
+REAPER_SECONDS = 1.0
+QUEUE_SAMPLE_SECONDS = 5.0
+PRUNE_SECONDS = 3600.0
+
+
+async def reaper(
+    admission: Admission, telemetry: Telemetry, residency: Residency, pauses: Pauses
+) -> None:
+    while True:
+        await asyncio.sleep(REAPER_SECONDS)
+        try:
+            admission.expire_leases()
+            telemetry.publish_load()
+            await residency.reap_expired()
+            await pauses.expire()
+        except Exception:
+            log.exception("reaper pass failed; trying again")
+
+
+async def housekeeping(
+    admission: Admission,
+    route_ids: Callable[[], Iterable[str]],
+    store: Store,
+    events: EventBus,
+    retention: float,
+) -> None:
+    last_prune = 0.0
+    while True:
+        await asyncio.sleep(QUEUE_SAMPLE_SECONDS)
+        try:
+            now = time.time()
+            samples = []
+            for route_id in route_ids():
+                _, in_flight, waiting = admission.core.load(route_id)
+                if waiting or in_flight:  # an idle backend's absence reads as zero
+                    samples.append((route_id, waiting, in_flight))
+            await queries.record_queue_depth(store, now, samples)
+            events.publish(
+                "queue_depth",
+                {"points": [{"backend": b, "waiting": w, "in_flight": f} for b, w, f in samples]},
+            )
+            if now - last_prune >= PRUNE_SECONDS:
+                last_prune = now
+                pruned = await queries.prune(store, now - retention)
+                if pruned:
+                    log.info("pruned %d activity rows older than the retention", pruned)
+        except Exception:
+            log.exception("housekeeping pass failed; trying again")

@@ -13,13 +13,13 @@ from corrallm.api.auth import ensure_token
 from corrallm.app import CorrallmApp
 from corrallm.config import Config
 from corrallm.config.units import format_size
-from corrallm.connection import protocol_class
-from corrallm.events import buffer_from_env
 from corrallm.gateway import Gateway
-from corrallm.head_guard import HeadGuard, HeadLimits, fds_free, raise_fd_limit
-from corrallm.home import secure_home
+from corrallm.http.connection import protocol_class
+from corrallm.http.head_guard import HeadGuard, HeadLimits, fds_free, raise_fd_limit
+from corrallm.observe.events import buffer_from_env
 from corrallm.observe.redaction import Redactor, install
 from corrallm.proxy.bodies import BodyLimits
+from corrallm.store.home import secure_home
 
 # Open streams get this long to finish on SIGTERM/SIGINT before they are cut and every
 # backend is stopped.
@@ -99,8 +99,8 @@ def run(config: Config, options: ServeOptions) -> None:
         port=port,
         loop="uvloop",
         # uvicorn's httptools protocol with a header timeout, a head size limit and a
-        # cap on connections still sending their head (corrallm/head_guard.py), a
-        # disconnect hook and a leaner response writer (corrallm/connection.py).
+        # cap on connections still sending their head (corrallm/http/head_guard.py), a
+        # disconnect hook and a leaner response writer (corrallm/http/connection.py).
         http=protocol_class(HeadGuard(limits)),
         lifespan="on",
         # Said, not guessed: `CorrallmApp.__call__` is a plain function returning the

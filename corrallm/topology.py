@@ -15,7 +15,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 from corrallm.config import Config, backend_id
-from corrallm.config.schema import ANY_GPU, Backend, Model, ProcessSpec
+from corrallm.config.schema import ANY_GPU, BackendConfig, ModelConfig, ProcessSpec
 from corrallm.lifecycle.addresses import resolve_url
 from corrallm.lifecycle.pauses import Kind, Pausable
 from corrallm.lifecycle.remote import RemoteEndpoint
@@ -43,7 +43,7 @@ class Topology:
     served: list[ServedModel] = field(default_factory=list)  # each once, in config order
     tenancies: list[Tenancy] = field(default_factory=list)
 
-    def hosted_by(self, extension: str) -> list[Model]:
+    def hosted_by(self, extension: str) -> list[ModelConfig]:
         return [
             m
             for m in self.config.models.values()
@@ -53,9 +53,9 @@ class Topology:
     def own_supervisors(self, served: ServedModel) -> list[Supervisor]:
         """The processes a model alone owns (not the extensions it shares with others)."""
         return [
-            r.endpoint
+            self.supervisors[r.id]
             for r in served.routes
-            if isinstance(r.endpoint, Supervisor) and not r.config.extension
+            if not r.config.extension and r.id in self.supervisors
         ]
 
     def pausables(self) -> dict[tuple[Kind, str], Pausable]:
@@ -141,7 +141,7 @@ def _tenancy(
     config: Config,
     sup: Supervisor,
     spec: ProcessSpec,
-    models: list[Model],
+    models: list[ModelConfig],
     footprint: Footprint | None,
 ) -> Tenancy:
     """What the process asks of its server's pools (R1, M1) and how it idles out (R4);
@@ -185,8 +185,8 @@ def _remote_models(
 
 
 def _with_peers(
-    config: Config, local: Model | None, found: list[tuple[PeerView, RemoteModel]]
-) -> Model:
+    config: Config, local: ModelConfig | None, found: list[tuple[PeerView, RemoteModel]]
+) -> ModelConfig:
     """The model with its peers' backends (X1): each after the local backends of its type
     and quality (before them with `peerOrder: first`), else after all of them. A model
     served only by peers takes the first peer's aliases."""
@@ -194,7 +194,7 @@ def _with_peers(
     first = config.peer_order == "first"
     for view, remote in found:
         b = remote.primary
-        backend = Backend(
+        backend = BackendConfig(
             name=f"{remote.name}@{view.name}",
             proxy=view.url,
             model=remote.name,  # a caller may have named a local alias
@@ -213,4 +213,4 @@ def _with_peers(
     if local is not None:
         return local.model_copy(update={"backends": backends})
     aliases = [{"name": a} for a in found[0][1].aliases if a not in config.models]
-    return Model.model_validate({"backends": backends, "aliases": aliases, "unlisted": False})
+    return ModelConfig.model_validate({"backends": backends, "aliases": aliases, "unlisted": False})

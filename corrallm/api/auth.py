@@ -15,8 +15,8 @@ import secrets
 from http.cookies import SimpleCookie
 from pathlib import Path
 
-from corrallm.home import private_folder
-from corrallm.proxy.asgi import Scope, header
+from corrallm.http.asgi import Scope, header
+from corrallm.store.home import private_folder
 
 TOKEN_FILE = "admin.token"
 COOKIE = "corrallm_token"

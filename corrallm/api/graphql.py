@@ -18,8 +18,9 @@ from strawberry.scalars import JSON
 from strawberry.types import Info
 
 from corrallm.api import keys, schemas, service, usage
+from corrallm.config.names import public_name
 from corrallm.gateway import Gateway
-from corrallm.proxy.errors import ApiError
+from corrallm.http.errors import ApiError
 
 _TYPES: dict[type[BaseModel], type] = {}
 
@@ -44,9 +45,8 @@ def _gql(model: type[BaseModel]) -> type:
         elif schemas.WIDE in field.metadata:
             overrides[name] = BigInt
     namespace = {"__annotations__": overrides}
-    cls = sp.type(model=model, all_fields=True, name=model.__name__)(
-        type(model.__name__, (), namespace)
-    )
+    name = public_name(model)
+    cls = sp.type(model=model, all_fields=True, name=name)(type(name, (), namespace))
     _TYPES[model] = cls
     return cls
 
@@ -64,20 +64,52 @@ def _is_optional_dict(annotation: Any) -> bool:
     return type(None) in args and any(typing.get_origin(a) is dict for a in args)
 
 
-def build(model: type[BaseModel], data: dict[str, Any]) -> Any:
-    """A service dict as the Strawberry object of `model`'s GraphQL type."""
+def build(model: type[BaseModel], data: BaseModel | dict[str, Any]) -> Any:
+    """A service's view as the Strawberry object of `model`'s GraphQL type. A service that
+    still answers with a dict is read as the view first, as REST reads it (its declared
+    defaults; a missing field is an error): GraphQL fills nothing in of its own."""
+    if isinstance(data, model):
+        return _strawberry(model, data, None)
+    return _strawberry(model, model.model_validate(data), data)
+
+
+def _strawberry(model: type[BaseModel], view: BaseModel, raw: Any) -> Any:
+    """`raw`: the service's dict the view was read from, if any; a map-valued field (a JSON
+    scalar) passes on what the service gave, as before views were typed."""
     cls = _gql(model)
     values = {}
     for name, field in model.model_fields.items():
-        value = data.get(name, field.default)
+        value = getattr(view, name)
+        given = raw.get(name) if isinstance(raw, dict) else None
         inner = _models_in(field.annotation)
-        if inner and typing.get_origin(field.annotation) is not dict and value is not None:
+        if typing.get_origin(field.annotation) is dict or _is_optional_dict(field.annotation):
+            value = given if isinstance(raw, dict) and name in raw else _plain(value)
+        elif inner and value is not None:
             if isinstance(value, list):
-                value = [build(inner[0], v) for v in value]
+                givens = given if isinstance(given, list) else [None] * len(value)
+                value = [
+                    _strawberry(_model_of(v, inner), v, g)
+                    for v, g in zip(value, givens, strict=True)
+                ]
             else:
-                value = build(inner[0], value)
+                value = _strawberry(_model_of(value, inner), value, given)
         values[name] = value
     return cls(**values)
+
+
+def _model_of(value: BaseModel, candidates: list[type[BaseModel]]) -> type[BaseModel]:
+    return next((m for m in candidates if isinstance(value, m)), candidates[0])
+
+
+def _plain(value: Any) -> Any:
+    """A JSON scalar's value from a typed view: nested views as plain dicts."""
+    if isinstance(value, BaseModel):
+        return value.model_dump()
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_plain(v) for v in value]
+    return value
 
 
 class GraphQLApiRefusal(Exception):
@@ -109,11 +141,11 @@ def _sync(model: type[BaseModel], fn: Any, *args: Any) -> Any:
 
 
 Overview = _gql(schemas.Overview)
-Residency = _gql(schemas.Residency)
+Residency = _gql(schemas.ResidencyView)
 Lanes = _gql(schemas.Lanes)
-Reservations = _gql(schemas.Reservations)
-Economics = _gql(schemas.Economics)
-LiveRequests = _gql(schemas.LiveRequests)
+Reservations = _gql(schemas.ReservationsView)
+Economics = _gql(schemas.EconomicsView)
+LiveRequests = _gql(schemas.LiveRequestsView)
 CancelResult = _gql(schemas.CancelResult)
 ReloadResult = _gql(schemas.ReloadResult)
 Logs = _gql(schemas.Logs)
@@ -143,7 +175,7 @@ def _overview(info: Info) -> Any:
 
 
 def _residency(info: Info) -> Any:
-    return _sync(schemas.Residency, service.residency, _gw(info))
+    return _sync(schemas.ResidencyView, service.residency, _gw(info))
 
 
 def _lanes(info: Info) -> Any:
@@ -151,15 +183,15 @@ def _lanes(info: Info) -> Any:
 
 
 def _reservations(info: Info) -> Any:
-    return _sync(schemas.Reservations, service.reservations, _gw(info))
+    return _sync(schemas.ReservationsView, service.reservations, _gw(info))
 
 
 def _economics(info: Info) -> Any:
-    return _sync(schemas.Economics, service.economics, _gw(info))
+    return _sync(schemas.EconomicsView, service.economics, _gw(info))
 
 
 def _live_requests(info: Info) -> Any:
-    return _sync(schemas.LiveRequests, service.live_requests, _gw(info))
+    return _sync(schemas.LiveRequestsView, service.live_requests, _gw(info))
 
 
 def _cancel_request(info: Info, id: str) -> Any:

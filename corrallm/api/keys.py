@@ -14,12 +14,12 @@ import pydantic
 from corrallm.api.schemas import KeyCreate
 from corrallm.api.service import store_unavailable
 from corrallm.auth.keys import expiry
-from corrallm.auth.runtime import KeyExists, KeyInConfig, KeyNotFound, Record
+from corrallm.auth.runtime import KeyExists, KeyInConfig, KeyNotFound, RuntimeKeyRecord
 from corrallm.config.schema import KeyPolicy
 from corrallm.config.units import rfc3339
 from corrallm.config.validation import did_you_mean
 from corrallm.gateway import Gateway
-from corrallm.proxy.errors import ApiError
+from corrallm.http.errors import ApiError
 from corrallm.store.db import StoreUnavailable
 
 
@@ -127,7 +127,7 @@ def _fields(name: str, policy: KeyPolicy, source: str) -> dict[str, Any]:
     }
 
 
-def _api_fields(record: Record) -> dict[str, Any]:
+def _api_fields(record: RuntimeKeyRecord) -> dict[str, Any]:
     return {
         **_fields(record.name, record.policy, "api"),
         "prefix": record.prefix,

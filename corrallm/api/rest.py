@@ -18,9 +18,10 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from corrallm import __version__
 from corrallm.api import keys, schemas, service, usage
-from corrallm.events import HEARTBEAT_SECONDS
+from corrallm.config.names import by_public_names
 from corrallm.gateway import Gateway
-from corrallm.proxy.errors import ApiError, internal
+from corrallm.http.errors import ApiError, internal
+from corrallm.observe.events import HEARTBEAT_SECONDS
 from corrallm.store.db import StoreUnavailable
 
 log = logging.getLogger("corrallm.api")
@@ -82,6 +83,9 @@ class Unexpected:
                 await error.send(send)
 
 
+REFS = "#/components/schemas/"
+
+
 def build_rest(gw: Gateway) -> FastAPI:
     app = FastAPI(
         title="corrallm management API",
@@ -126,27 +130,27 @@ def build_rest(gw: Gateway) -> FastAPI:
     async def overview() -> dict[str, Any]:
         return service.overview(gw)
 
-    @app.get(f"{PREFIX}/residency", response_model=schemas.Residency)
+    @app.get(f"{PREFIX}/residency", response_model=schemas.ResidencyView)
     async def residency() -> dict[str, Any]:
         return service.residency(gw)
 
-    @app.get(f"{PREFIX}/economics", response_model=schemas.Economics)
+    @app.get(f"{PREFIX}/economics", response_model=schemas.EconomicsView)
     async def economics() -> dict[str, Any]:
         """The economics ledger (SPEC §11 D1): per backend of the config in force, wakes,
         sleeps, time asleep, wake latencies and the GPU-hours its sleeps returned; counted
         from install on, across reloads and restarts."""
         return service.economics(gw)
 
-    @app.get(f"{PREFIX}/requests", response_model=schemas.LiveRequests)
+    @app.get(f"{PREFIX}/requests", response_model=schemas.LiveRequestsView)
     async def live_requests() -> dict[str, Any]:
         return service.live_requests(gw)
 
     @app.post(f"{PREFIX}/requests/{{request_id}}/cancel", response_model=schemas.CancelResult)
-    async def cancel_request(request_id: str) -> dict[str, Any]:
+    async def cancel_request(request_id: str) -> schemas.CancelResult:
         return service.cancel_request(gw, request_id)
 
-    @app.get(f"{PREFIX}/reservations", response_model=schemas.Reservations)
-    async def reservations() -> dict[str, Any]:
+    @app.get(f"{PREFIX}/reservations", response_model=schemas.ReservationsView)
+    async def reservations() -> schemas.ReservationsView:
         return service.reservations(gw)
 
     @app.get(
@@ -188,7 +192,7 @@ def build_rest(gw: Gateway) -> FastAPI:
     @app.get(f"{PREFIX}/models/logs", response_model=schemas.Logs)
     async def model_logs(
         model: str = Query(min_length=1), lines: int = Query(100, ge=0, le=10000)
-    ) -> dict[str, Any]:
+    ) -> schemas.Logs:
         return service.model_logs(gw, model, lines)
 
     @app.post(f"{PREFIX}/models/load", response_model=schemas.ActionResult)
@@ -338,4 +342,13 @@ def build_rest(gw: Gateway) -> FastAPI:
         404 when it was evicted or never kept."""
         return service.capture(gw, request_id)
 
+    plain_openapi = app.openapi
+
+    def openapi() -> dict[str, Any]:
+        """The document with each view under its public name (config/names.py)."""
+        named = by_public_names(plain_openapi(), ["components", "schemas"], REFS)
+        app.openapi_schema = named
+        return named
+
+    app.openapi = openapi  # type: ignore[method-assign]
     return app

@@ -208,7 +208,8 @@ class PeerResidency(BaseModel):
     backends: list[PeerResident]
 
 
-class Residency(BaseModel):
+class ResidencyView(BaseModel):
+    model_config = ConfigDict(title="Residency")  # its name in schemas, GraphQL and docs
     servers: list[ServerResidency]
     peers: list[PeerResidency] = Field(
         default_factory=list,
@@ -356,7 +357,8 @@ class ReservationView(BaseModel):
     expires_at: str
 
 
-class Reservations(BaseModel):
+class ReservationsView(BaseModel):
+    model_config = ConfigDict(title="Reservations")  # its name in schemas, GraphQL and docs
     reservations: list[ReservationView]
 
 
@@ -384,7 +386,8 @@ class LiveRequestView(BaseModel):
     )
 
 
-class LiveRequests(BaseModel):
+class LiveRequestsView(BaseModel):
+    model_config = ConfigDict(title="LiveRequests")  # its name in schemas, GraphQL and docs
     requests: list[LiveRequestView]
 
 
@@ -416,7 +419,8 @@ class EconomicsRow(BaseModel):
     first_seen: str = Field(description="when counting began for it, RFC 3339")
 
 
-class Economics(BaseModel):
+class EconomicsView(BaseModel):
+    model_config = ConfigDict(title="Economics")  # its name in schemas, GraphQL and docs
     since: str = Field(description="when counting began (the earliest row's), RFC 3339")
     gpu_capacity: Bytes = Field(description="bytes in all servers' pools named gpu*")
     gpu_hours: float = Field(description="GPU-hours returned to the pool, all rows")

@@ -14,16 +14,17 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from corrallm.api.schemas import CancelResult, Logs, ReservationsView, ReservationView
 from corrallm.config import ConfigError
 from corrallm.config.units import parse_duration, rfc3339
 from corrallm.gateway import Gateway
+from corrallm.http.errors import ApiError, lifecycle_failure
 from corrallm.lifecycle.errors import LifecycleBusy, LifecycleError
 from corrallm.lifecycle.pauses import Kind
 from corrallm.lifecycle.supervisor import Supervisor
 from corrallm.observe.ring import Record
-from corrallm.proxy.errors import ApiError, lifecycle_failure
-from corrallm.proxy.reservations import live_leases
 from corrallm.routing.router import ServedModel
+from corrallm.scheduler.admission import live_leases
 from corrallm.store.db import StoreUnavailable
 
 # -- lookups -------------------------------------------------------------------------
@@ -103,10 +104,7 @@ async def load_model(gw: Gateway, name: str) -> dict[str, Any]:
     route = served.tiers_for(None, gw.placeable)[0][0]
     endpoint = route.endpoint
     try:
-        if isinstance(endpoint, Supervisor):
-            await endpoint.load()
-        else:
-            await endpoint.ensure_ready()
+        await endpoint.load()
     except LifecycleError as exc:
         raise _lifecycle_error(exc) from exc
     return {"model": served.name, "backend": route.id, "state": str(endpoint.state)}
@@ -197,18 +195,12 @@ def _lifecycle_error(exc: LifecycleError) -> ApiError:
 # -- views ---------------------------------------------------------------------------
 
 
-def model_logs(gw: Gateway, name: str, lines: int = 100) -> dict[str, Any]:
+def model_logs(gw: Gateway, name: str, lines: int = 100) -> Logs:
     served = served_model(gw, name)
-    endpoint = served.primary.endpoint
-    if not isinstance(endpoint, Supervisor):
-        return {"model": served.name, "lines": [], "n_ctx": None, "n_slots": None}
-    logs = endpoint.logs
-    return {
-        "model": served.name,
-        "lines": logs.tail(lines),
-        "n_ctx": logs.n_ctx,
-        "n_slots": logs.n_slots,
-    }
+    logs = served.primary.endpoint.describe().logs
+    if logs is None:
+        return Logs(model=served.name, lines=[], n_ctx=None, n_slots=None)
+    return Logs(model=served.name, lines=logs.tail(lines), n_ctx=logs.n_ctx, n_slots=logs.n_slots)
 
 
 def overview(gw: Gateway) -> dict[str, Any]:
@@ -219,7 +211,8 @@ def overview(gw: Gateway) -> dict[str, Any]:
         backends = []
         for route in served.routes:
             endpoint = route.endpoint
-            logs = endpoint.logs if isinstance(endpoint, Supervisor) else None
+            described = endpoint.describe()
+            logs = described.logs
             tenancy = gw.residency.tenancies.get(endpoint.id)
             _, in_flight, waiting = gw.admission.core.load(route.id)
             backends.append(
@@ -234,14 +227,14 @@ def overview(gw: Gateway) -> dict[str, Any]:
                     "waiting": waiting,
                     "n_ctx": logs.n_ctx if logs else None,
                     "n_slots": logs.n_slots if logs else None,
-                    "pid": endpoint.pid if isinstance(endpoint, Supervisor) else None,
+                    "pid": described.pid,
                     "extension": route.config.extension,
-                    "last_error": getattr(endpoint, "last_error", None),
-                    "sleeps": isinstance(endpoint, Supervisor) and endpoint.spec.sleep is not None,
+                    "last_error": described.last_error,
+                    "sleeps": described.sleeps,
                     "peer": route.config.peer,
                     "modes": list(route.config.modes),
                     "service_seconds": gw.admission.core.backends[route.id].service,
-                    "load_seconds": getattr(endpoint, "last_load_seconds", None),
+                    "load_seconds": described.load_seconds,
                 }
             )
         models.append(
@@ -343,7 +336,7 @@ def live_requests(gw: Gateway) -> dict[str, Any]:
     return {"requests": gw.live.views()}
 
 
-def cancel_request(gw: Gateway, request_id: str) -> dict[str, Any]:
+def cancel_request(gw: Gateway, request_id: str) -> CancelResult:
     """End one held request: a queued or loading one gets 503 `cancelled`, a running one
     is cancelled upstream (a stream ends with an error event and [DONE])."""
     live = gw.live.cancel(request_id)
@@ -354,7 +347,7 @@ def cancel_request(gw: Gateway, request_id: str) -> dict[str, Any]:
             "GET /api/v1/requests lists the requests held now.",
             "request_not_found",
         )
-    return {"id": live.id, "state": live.state, "cancelled": True}
+    return CancelResult(id=live.id, state=live.state, cancelled=True)
 
 
 def economics(gw: Gateway) -> dict[str, Any]:
@@ -364,14 +357,15 @@ def economics(gw: Gateway) -> dict[str, Any]:
     return {**ledger, "since": rfc3339(ledger["since"]), "rows": rows}
 
 
-def reservations(gw: Gateway) -> dict[str, Any]:
+def reservations(gw: Gateway) -> ReservationsView:
     """Live leases (SPEC §7): who holds how many slots of which backend, until when."""
-    return {"reservations": live_leases(gw)}
+    leases = live_leases(gw.admission)
+    return ReservationsView(reservations=[ReservationView(**lease) for lease in leases])
 
 
 async def reload_config(gw: Gateway) -> dict[str, Any]:
     """SPEC §10 P6: re-read the config file; refused with every problem if it is bad."""
-    from corrallm.reload import read_config, reload
+    from corrallm.api.reload import read_config, reload
 
     try:
         config = read_config(gw)

@@ -10,7 +10,7 @@ from typing import Any
 
 from corrallm.config.units import parse_duration, rfc3339
 from corrallm.gateway import Gateway
-from corrallm.proxy.errors import ApiError
+from corrallm.http.errors import ApiError
 from corrallm.store import queries
 
 DEFAULT_RANGE = 86400.0

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from corrallm.auth.keys import UNKNOWN, Identity, KeyRing, Refused, digest_of
+from corrallm.auth.keys import UNKNOWN, Identity, KeyRing, RevokedSecret, digest_of
 from corrallm.config import Config
 from corrallm.config.schema import PriorityGroup
 
@@ -22,7 +22,7 @@ class Caller:
     group: PriorityGroup | None
     known: bool  # a configured (or runtime) key, or a lane a peer signed (X3)
     identity: Identity | None = None
-    refused: Refused | None = None  # a secret revoked or rotated away (T2): always 401
+    refused: RevokedSecret | None = None  # a secret revoked or rotated away (T2): always 401
 
 
 class Callers:

@@ -115,7 +115,7 @@ class Identity:
 
 
 @dataclass(frozen=True, slots=True)
-class Refused:
+class RevokedSecret:
     """A secret that was a runtime key's until it was revoked or rotated away (T2): refused
     as such, even where unknown keys are served, so it never falls into the default lane."""
 
@@ -132,7 +132,7 @@ class KeyRing:
         self._config: dict[str, Identity] = {}
         self._api: dict[str, Identity] = {}
         self._by_digest: dict[bytes, Identity] = {}
-        self._refused: dict[bytes, Refused] = {}
+        self._refused: dict[bytes, RevokedSecret] = {}
         self.version = 0  # bumped by every change, for the callers cached on it
 
     def reconfigure(self, keys: Mapping[str, ApiKey]) -> None:
@@ -140,7 +140,7 @@ class KeyRing:
         self._rebuild()
 
     def load(
-        self, identities: Iterable[Identity], refused: Mapping[bytes, Refused] | None = None
+        self, identities: Iterable[Identity], refused: Mapping[bytes, RevokedSecret] | None = None
     ) -> None:
         """The runtime keys, as the store holds them now (all of them), and the digests it
         refuses (when given: all of them)."""
@@ -149,13 +149,15 @@ class KeyRing:
             self._refused = dict(refused)
         self._rebuild()
 
-    def put(self, identity: Identity, refused: Mapping[bytes, Refused] | None = None) -> None:
+    def put(self, identity: Identity, refused: Mapping[bytes, RevokedSecret] | None = None) -> None:
         """A runtime key made or rotated here (`refused`: the secret it replaced)."""
         self._api[identity.name] = identity
         self._refused.update(refused or {})
         self._rebuild()
 
-    def drop(self, name: str, refused: Mapping[bytes, Refused] | None = None) -> Identity | None:
+    def drop(
+        self, name: str, refused: Mapping[bytes, RevokedSecret] | None = None
+    ) -> Identity | None:
         """A runtime key revoked here (`refused`: its secret, refused from now on)."""
         gone = self._api.pop(name, None)
         self._refused.update(refused or {})
@@ -172,7 +174,7 @@ class KeyRing:
         self._by_digest = table
         self.version += 1
 
-    def refused(self, digest: bytes) -> Refused | None:
+    def refused(self, digest: bytes) -> RevokedSecret | None:
         """Why a secret that is no key is refused (revoked or rotated away), if it was one."""
         return self._refused.get(digest)
 

@@ -49,7 +49,7 @@ class Ask:
 
 
 @dataclass(frozen=True, slots=True)
-class Refused:
+class LimitRefusal:
     rule: Rule
     subject: str
     limit: int
@@ -261,7 +261,7 @@ class Limiter:
 
     def judge(
         self, asks: Sequence[Ask], estimate: int, now: float, rates: bool = True
-    ) -> Refused | None:
+    ) -> LimitRefusal | None:
         """Whether a request of `estimate` tokens fits every subject it asks; nothing is
         counted (`take` does). `rates=False`: concurrency (and a hopeless estimate) only."""
         for ask in asks:
@@ -269,7 +269,7 @@ class Limiter:
             broken = breach(ask.limits, counts, estimate, rates)
             if broken is not None:
                 rule, limit, used = broken
-                return Refused(
+                return LimitRefusal(
                     rule,
                     ask.subject,
                     limit,
@@ -290,13 +290,13 @@ class Limiter:
             window.held += 1
         return Hold(tuple([a.subject for a in asks]), estimate, now)
 
-    def admit(self, asks: Sequence[Ask], estimate: int, now: float) -> Hold | Refused:
+    def admit(self, asks: Sequence[Ask], estimate: int, now: float) -> Hold | LimitRefusal:
         refused = self.judge(asks, estimate, now)
         return refused if refused is not None else self.take(asks, estimate, now)
 
     def counted(
         self, asks: Sequence[Ask], estimate: int, now: float
-    ) -> tuple[Hold, Remaining] | Refused:
+    ) -> tuple[Hold, Remaining] | LimitRefusal:
         """`admit` and `remaining` after it, in one pass over the windows: the hot path of
         a key with limits (the same rules as `breach`; a refusal is judged by `judge`)."""
         windows = []

@@ -35,7 +35,7 @@ from corrallm.auth.keys import (
     UNKNOWN,
     Identity,
     KeyRing,
-    Refused,
+    RevokedSecret,
     expiry,
     hash_text,
     new_secret,
@@ -65,7 +65,7 @@ class KeyNotFound(Exception):
 
 
 @dataclass(frozen=True, slots=True)
-class Record:
+class RuntimeKeyRecord:
     """A runtime key as the management API shows it: no secret, no digest."""
 
     name: str
@@ -86,7 +86,7 @@ class RuntimeKeys:
         self.ring = ring
         self.wall_clock = wall_clock
         self.flush_seconds = flush_seconds
-        self.records: dict[str, Record] = {}  # the runtime keys, by name
+        self.records: dict[str, RuntimeKeyRecord] = {}  # the runtime keys, by name
         self.last_used: dict[str, float] = {}  # every key's (config and runtime), by name
         self._unwritten: dict[str, float] = {}  # runtime keys' last_used not yet stored
         self._lock = asyncio.Lock()
@@ -127,7 +127,7 @@ class RuntimeKeys:
         """Every runtime key and refused digest, as the store holds them now."""
         async with self._lock:
             stored, revoked = await table.read(self.store)
-            records: dict[str, Record] = {}
+            records: dict[str, RuntimeKeyRecord] = {}
             identities = []
             for row in stored:
                 record = _record(row)
@@ -146,7 +146,7 @@ class RuntimeKeys:
 
     # -- changes (the management API's) ------------------------------------------------
 
-    async def create(self, name: str, policy: KeyPolicy) -> tuple[Record, str]:
+    async def create(self, name: str, policy: KeyPolicy) -> tuple[RuntimeKeyRecord, str]:
         """A new key: kept in the store, then in force here. Returns it with its secret
         (shown this once). Raises `KeyExists` for a name in use, `StoreUnavailable`."""
         if self.ring.in_config(name):
@@ -154,7 +154,7 @@ class RuntimeKeys:
         if name in self.records:
             raise KeyExists(name, "api")
         secret = new_secret()
-        record = Record(name, policy, secret[:PREFIX_CHARS], self.wall_clock())
+        record = RuntimeKeyRecord(name, policy, secret[:PREFIX_CHARS], self.wall_clock())
         row = table.StoredKey(
             name,
             hash_text(secret),
@@ -171,7 +171,7 @@ class RuntimeKeys:
         log.info("key %s created (group %s, prefix %s)", name, policy.group, record.prefix)
         return record, secret
 
-    async def rotate(self, name: str) -> tuple[Record, str]:
+    async def rotate(self, name: str) -> tuple[RuntimeKeyRecord, str]:
         """A new secret for the key; the old one refused from now on. Raises
         `KeyInConfig`, `KeyNotFound`, `StoreUnavailable`."""
         if self.ring.in_config(name):
@@ -186,7 +186,7 @@ class RuntimeKeys:
             if record is None:
                 raise KeyNotFound(name)  # a policy this version cannot read (logged)
             old = self.ring.named(name)
-            refused = {old.digest: Refused(name, "rotated", now)} if old is not None else {}
+            refused = {old.digest: RevokedSecret(name, "rotated", now)} if old is not None else {}
             self.records[name] = record
             self.ring.put(_identity(record, parse_hash(digest)), refused)
         log.info("key %s rotated (new prefix %s)", name, record.prefix)
@@ -205,7 +205,7 @@ class RuntimeKeys:
             self.records.pop(name, None)
             self.last_used.pop(name, None)
             self._unwritten.pop(name, None)
-            self.ring.drop(name, {parse_hash(digest): Refused(name, "revoked", now)})
+            self.ring.drop(name, {parse_hash(digest): RevokedSecret(name, "revoked", now)})
         log.info("key %s revoked", name)
 
     # -- last_used, written off the request path ---------------------------------------
@@ -236,17 +236,17 @@ def _policy_json(policy: KeyPolicy) -> str:
     return policy.model_dump_json(by_alias=True, exclude={"group"}, exclude_defaults=True)
 
 
-def _record(row: table.StoredKey) -> Record | None:
+def _record(row: table.StoredKey) -> RuntimeKeyRecord | None:
     try:
         policy = KeyPolicy.model_validate_json(row.policy).model_copy(update={"group": row.grp})
     except pydantic.ValidationError as exc:
         # Written by a newer corrallm sharing the store: not served here, and said so.
         log.error("key %s in the store has a policy this corrallm cannot read: %s", row.name, exc)
         return None
-    return Record(row.name, policy, row.prefix, row.created)
+    return RuntimeKeyRecord(row.name, policy, row.prefix, row.created)
 
 
-def _identity(record: Record, digest: bytes) -> Identity:
+def _identity(record: RuntimeKeyRecord, digest: bytes) -> Identity:
     policy = record.policy
     return Identity(
         record.name,
@@ -263,5 +263,5 @@ def _identity(record: Record, digest: bytes) -> Identity:
     )
 
 
-def _refused(row: table.RevokedKey) -> Refused:
-    return Refused(row.name, "rotated" if row.reason == "rotated" else "revoked", row.at)
+def _refused(row: table.RevokedKey) -> RevokedSecret:
+    return RevokedSecret(row.name, "rotated" if row.reason == "rotated" else "revoked", row.at)

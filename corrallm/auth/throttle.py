@@ -29,7 +29,7 @@ from corrallm.auth.limits import (
     Counts,
     Hold,
     Limiter,
-    Refused,
+    LimitRefusal,
     Remaining,
     breach,
     limited,
@@ -102,7 +102,7 @@ class Throttle:
 
     def admit_now(
         self, asks: Sequence[Ask], estimate: int
-    ) -> Pass | tuple[Refused, Remaining] | None:
+    ) -> Pass | tuple[LimitRefusal, Remaining] | None:
         """The verdict in memory, where no shared store counts these asks: no coroutine,
         no I/O (the hot path). None: `admit` must ask the shared store."""
         now = time.time()
@@ -116,13 +116,15 @@ class Throttle:
 
     def _local(
         self, asks: Sequence[Ask], estimate: int, now: float
-    ) -> Pass | tuple[Refused, Remaining]:
+    ) -> Pass | tuple[LimitRefusal, Remaining]:
         verdict = self.core.counted(asks, estimate, now)
-        if isinstance(verdict, Refused):
+        if isinstance(verdict, LimitRefusal):
             return verdict, self.core.remaining(asks, now)
         return Pass(*verdict)
 
-    async def admit(self, asks: Sequence[Ask], estimate: int) -> Pass | tuple[Refused, Remaining]:
+    async def admit(
+        self, asks: Sequence[Ask], estimate: int
+    ) -> Pass | tuple[LimitRefusal, Remaining]:
         """Count one request of `estimate` tokens in each subject if all have room: its
         `Pass`, else why not (and what is left)."""
         now = time.time()
@@ -141,7 +143,7 @@ class Throttle:
             raise
         if got is not None:
             outcome, remaining = got
-            if not isinstance(outcome, Refused):
+            if not isinstance(outcome, LimitRefusal):
                 return Pass(hold, remaining, outcome)
             self.core.cancel(hold, now)
             return outcome, remaining
@@ -152,7 +154,7 @@ class Throttle:
 
     async def _reserve_shared(
         self, asks: Sequence[Ask], estimate: int, now: float
-    ) -> tuple[list[int] | Refused, Remaining] | None:
+    ) -> tuple[list[int] | LimitRefusal, Remaining] | None:
         """rpm and tpm across the gateways: the request's rows, or why not; with what is
         left. None if the store failed."""
         assert self.shared is not None
@@ -185,7 +187,7 @@ class Throttle:
                             retry = rpm_retry(admitted, limit, now)
                         else:
                             retry = tpm_retry(spent, used + estimate - limit, now)
-                        refused = Refused(rule, ask.subject, limit, used, estimate, retry)
+                        refused = LimitRefusal(rule, ask.subject, limit, used, estimate, retry)
                         return refused, tightest([(a.limits, c) for a, c in before])
                 return None  # counted as over, yet nothing broken: ask this gateway's own
         except (StoreUnavailable, TimeoutError) as exc:
@@ -233,7 +235,7 @@ class Throttle:
         task.add_done_callback(self._tasks.discard)
 
 
-def _counts(counted: table.Counted | None, requests: int, tokens: int) -> Counts:
+def _counts(counted: table.WindowCount | None, requests: int, tokens: int) -> Counts:
     if counted is None:
         return Counts(requests, tokens)
     return Counts(counted.requests + requests, counted.tokens + tokens)

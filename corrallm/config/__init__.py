@@ -23,21 +23,21 @@ from corrallm.config.schema import (
     PORT_PLACEHOLDER,
     Alias,
     ApiKey,
-    Backend,
+    BackendConfig,
     BackendTimeouts,
     CommandCost,
     Config,
     Extension,
     Filters,
     Health,
-    Ledger,
-    Model,
-    Policy,
+    LedgerConfig,
+    ModelConfig,
+    PolicyConfig,
     Pricing,
     PriorityGroup,
     ProcessSpec,
     Realtime,
-    Scheduler,
+    SchedulerConfig,
     Server,
     SpendLimit,
     Sticky,
@@ -50,7 +50,7 @@ from corrallm.config.units import format_size, parse_duration, parse_size
 __all__ = [
     "PORT_PLACEHOLDER",
     "Alias",
-    "Backend",
+    "BackendConfig",
     "BackendTimeouts",
     "CommandCost",
     "Config",
@@ -58,14 +58,14 @@ __all__ = [
     "Extension",
     "Filters",
     "Health",
-    "Ledger",
-    "Model",
-    "Policy",
+    "LedgerConfig",
+    "ModelConfig",
+    "PolicyConfig",
     "Pricing",
     "PriorityGroup",
     "ProcessSpec",
     "Realtime",
-    "Scheduler",
+    "SchedulerConfig",
     "Server",
     "SpendLimit",
     "Sticky",
@@ -95,7 +95,7 @@ def _redact(text: str) -> str:
     return _URL_USERINFO.sub(lambda m: f"{m['scheme']}***@", text)
 
 
-def _policy(policy: Policy) -> str:
+def _policy(policy: PolicyConfig) -> str:
     words = [w for w in ("preempt", "spill", "queue", "reject") if getattr(policy, w)]
     return "+".join(words) or "reject"
 
@@ -130,7 +130,7 @@ def _params(params: dict[str, object]) -> str:
     return ", ".join(f"{k}={json.dumps(v, default=str)}" for k, v in params.items())
 
 
-def _filters(model: Model) -> list[str]:
+def _filters(model: ModelConfig) -> list[str]:
     """K5: the model's request filters, then each alias's own setParams."""
     spec = model.filters
     parts = []

@@ -23,6 +23,7 @@ from typing import Annotated, Any, NoReturn, Union, get_args, get_origin
 import yaml
 from pydantic import BaseModel, ValidationError
 
+from corrallm.config.names import by_public_names
 from corrallm.config.schema import Config
 from corrallm.config.validation import (
     Loc,
@@ -393,7 +394,7 @@ def load_demo_config() -> Config:
 
 def json_schema() -> dict[str, Any]:
     """The JSON Schema of `corrallm.yaml` (camelCase keys), for editors."""
-    schema = Config.model_json_schema(by_alias=True)
+    schema = by_public_names(Config.model_json_schema(by_alias=True), ["$defs"], "#/$defs/")
     return {
         "$schema": "https://json-schema.org/draft/2020-12/schema",
         **schema,

@@ -297,7 +297,8 @@ class BackendTimeouts(Section):
     )
 
 
-class Backend(ProcessSpec):
+class BackendConfig(ProcessSpec):
+    model_config = ConfigDict(title="Backend")  # its name in schemas, GraphQL and docs
     name: str | None = None
     type: str = "chat"
     max_concurrent: int = Field(1, ge=1)
@@ -331,7 +332,7 @@ class Backend(ProcessSpec):
     )
 
 
-def backend_id(model_name: str, index: int, backend: Backend) -> str:
+def backend_id(model_name: str, index: int, backend: BackendConfig) -> str:
     """A backend's id: its `name` if set, else `<model>#<index>` (SPEC §8 F1)."""
     return backend.name if backend.name else f"{model_name}#{index}"
 
@@ -391,8 +392,9 @@ class Alias(Section):
         return data
 
 
-class Model(Section):
-    backends: list[Backend] = Field(min_length=1)
+class ModelConfig(Section):
+    model_config = ConfigDict(title="Model")  # its name in schemas, GraphQL and docs
+    backends: list[BackendConfig] = Field(min_length=1)
     persistent: bool = False
     sticky: Sticky | None = None
     alias_specs: list[Alias] = Field(
@@ -420,8 +422,11 @@ def _policy_json_schema(schema: dict[str, Any]) -> None:
     schema["anyOf"] = [{"type": "string", "enum": list(POLICY_WORDS)}, obj]
 
 
-class Policy(Section):
-    model_config = ConfigDict(json_schema_extra=_policy_json_schema)
+class PolicyConfig(Section):
+    model_config = ConfigDict(
+        title="Policy",  # its name in schemas, GraphQL and docs
+        json_schema_extra=_policy_json_schema,
+    )
 
     preempt: bool = False
     spill: bool = False
@@ -471,8 +476,10 @@ class Feedback(Section):
         )
 
 
-class Reservations(Section):
+class ReservationsConfig(Section):
     """What a group's callers may hold in `/v1/reservations` leases (SPEC §22 T5)."""
+
+    model_config = ConfigDict(title="Reservations")  # its name in schemas, GraphQL and docs
 
     max_slots: int = Field(
         1, ge=0, description="slots its callers hold in leases at once, all models together"
@@ -483,14 +490,16 @@ class PriorityGroup(Section):
     weight: float = Field(1.0, gt=0)
     share_currency: Literal["requests", "slotSeconds", "tokens", "dollars"] = "requests"
     interruptible: bool = False
-    on_saturated: dict[str, Policy] = Field(default_factory=lambda: {"default": Policy(queue=True)})
+    on_saturated: dict[str, PolicyConfig] = Field(
+        default_factory=lambda: {"default": PolicyConfig(queue=True)}
+    )
     accept_degrade: bool = False
     quality_floor: int | None = None
     spend_limit: SpendLimit | None = None
     max_wait: Duration | None = None
     max_queue_depth: int | None = Field(None, ge=0)
     feedback: FeedbackOverride | None = None
-    reservations: Reservations = Field(default_factory=Reservations)
+    reservations: ReservationsConfig = Field(default_factory=ReservationsConfig)
 
     @model_validator(mode="before")
     @classmethod
@@ -584,7 +593,8 @@ def _named_keys(value: object) -> object:
 Keys = Annotated[dict[str, ApiKey], BeforeValidator(_named_keys)]
 
 
-class Scheduler(Section):
+class SchedulerConfig(Section):
+    model_config = ConfigDict(title="Scheduler")  # its name in schemas, GraphQL and docs
     max_wait: Duration = 60.0
     max_queue_depth: int = Field(64, ge=0)
     default_group: str = "default"
@@ -618,12 +628,15 @@ class Timeouts(Section):
     )
 
 
-class Ledger(Section):
+class LedgerConfig(Section):
+    model_config = ConfigDict(title="Ledger")  # its name in schemas, GraphQL and docs
     gpu_hour_price: float | None = Field(None, ge=0)
 
 
-class Capture(Section):
+class CaptureConfig(Section):
     """Request and response bodies kept in memory for inspection (SPEC §21 O2)."""
+
+    model_config = ConfigDict(title="Capture")  # its name in schemas, GraphQL and docs
 
     buffer_mb: float = Field(
         16.0, gt=0, alias="bufferMB", description="the ring buffer's bound, in MB (10^6 bytes)"
@@ -685,19 +698,19 @@ class Config(Section):
     command_costs: dict[str, CommandCost] = Field(default_factory=dict)
     servers: dict[str, Server] = Field(default_factory=dict)
     extensions: dict[str, Extension] = Field(default_factory=dict)
-    models: dict[str, Model] = Field(default_factory=dict)
+    models: dict[str, ModelConfig] = Field(default_factory=dict)
     priority_groups: dict[str, PriorityGroup] = Field(default_factory=dict)
     keys: Keys = Field(
         default_factory=dict,
         description="API keys by name (or `<secret>: <group>`, named key-<8 hex>)",
     )
-    scheduler: Scheduler = Field(default_factory=Scheduler)
+    scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig)
     realtime: Realtime = Field(default_factory=Realtime)
     upstream: Upstream = Field(default_factory=Upstream)
-    ledger: Ledger = Field(default_factory=Ledger)
+    ledger: LedgerConfig = Field(default_factory=LedgerConfig)
     timeouts: Timeouts = Field(default_factory=Timeouts)
     feedback: Feedback = Field(default_factory=Feedback)
-    capture: Capture = Field(default_factory=Capture)
+    capture: CaptureConfig = Field(default_factory=CaptureConfig)
     auth: Auth = Field(default_factory=Auth)
     max_body_size: Size = 64 * 10**6
     peers: dict[str, Peer] = Field(
@@ -711,7 +724,7 @@ class Config(Section):
         5.0, gt=0, description="a peer silent this long is marked down (X4)"
     )
 
-    def upstream_idle(self, backend: Backend) -> float:
+    def upstream_idle(self, backend: BackendConfig) -> float:
         """Seconds a backend may stay silent mid-request: its own setting, else the top level."""
         own = backend.timeouts.upstream_idle
         return self.timeouts.upstream_idle if own is None else own

@@ -24,7 +24,7 @@ import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from corrallm.config.schema import Backend, Config, ProcessSpec, SpendLimit
+from corrallm.config.schema import BackendConfig, Config, ProcessSpec, SpendLimit
 from corrallm.cost.model import FREE, CostModel, Metered, Price
 from corrallm.cost.spend import SpendWindow, retry_after
 from corrallm.store import spend as table
@@ -82,7 +82,7 @@ class Visit:
     bytes_in: int
     arrived: float = field(default_factory=time.time)
     arrived_mono: float = field(default_factory=time.monotonic)
-    backend: Backend | None = None
+    backend: BackendConfig | None = None
     backend_id: str | None = None
     admitted_mono: float | None = None
     status: int = 0
@@ -169,7 +169,7 @@ class Ledger:
     async def reserve(
         self,
         visit: Visit,
-        backend: Backend,
+        backend: BackendConfig,
         max_tokens: int | None,
         key_limit: SpendLimit | None = None,
         usd: float | None = None,

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from corrallm.config.schema import Backend, CommandCost, Config, ProcessSpec
+from corrallm.config.schema import BackendConfig, CommandCost, Config, ProcessSpec
 
 # When a request names no token limit, its completion is estimated at this many tokens
 # for the spend-limit and tpm reservations (replaced by the real count once known).
@@ -59,18 +59,18 @@ class CostModel:
         self._classes = config.command_costs
         self._per_kwh = config.cost_per_kwh
 
-    def cost_class(self, backend: Backend) -> CommandCost | None:
+    def cost_class(self, backend: BackendConfig) -> CommandCost | None:
         return self._classes.get(backend.type)
 
-    def paid(self, backend: Backend) -> bool:
+    def paid(self, backend: BackendConfig) -> bool:
         cls = self.cost_class(backend)
         return backend.pricing is not None or (cls is not None and cls.paid)
 
-    def audio(self, backend: Backend) -> bool:
+    def audio(self, backend: BackendConfig) -> bool:
         cls = self.cost_class(backend)
         return cls is not None and cls.modality == "audio"
 
-    def request(self, backend: Backend, m: Metered) -> Price:
+    def request(self, backend: BackendConfig, m: Metered) -> Price:
         if self.paid(backend):
             pricing = backend.pricing
             if pricing is None:
@@ -92,7 +92,7 @@ class CostModel:
             )
         return self._energy(wh)
 
-    def lease(self, backend: Backend, slot_seconds: float) -> Price:
+    def lease(self, backend: BackendConfig, slot_seconds: float) -> Price:
         """What holding slots of `backend` in a /v1/reservations lease costs."""
         hours = slot_seconds / 3600
         if self.paid(backend):
@@ -107,11 +107,13 @@ class CostModel:
     def load(self, spec: ProcessSpec, seconds: float) -> Price:
         return self._energy(seconds * spec.swap.load_watts / 3600)
 
-    def estimate(self, backend: Backend, body_bytes: int, max_tokens: int | None) -> float:
+    def estimate(self, backend: BackendConfig, body_bytes: int, max_tokens: int | None) -> float:
         """Dollars a request is likely to cost, reserved against its lane's spend limit."""
         return self.request(backend, guess(body_bytes, max_tokens)).cost_usd
 
-    def estimate_tokens(self, backend: Backend, body_bytes: int, max_tokens: int | None) -> int:
+    def estimate_tokens(
+        self, backend: BackendConfig, body_bytes: int, max_tokens: int | None
+    ) -> int:
         """Tokens a request is likely to use, reserved against its key's tpm (SPEC §22 T3):
         the same guess as for its cost. An audio upload's bytes are not tokens (its usage
         is metered in bytes), so it reserves none."""

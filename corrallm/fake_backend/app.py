@@ -15,7 +15,7 @@ from typing import Any
 import orjson
 
 import corrallm.fake_backend.responses as r
-from corrallm.fake_backend.exchange import Exchange, Receive, Route, Scope, Send
+from corrallm.fake_backend.exchange import FakeExchange, Receive, Route, Scope, Send
 from corrallm.fake_backend.memory import HeldMemory
 from corrallm.fake_backend.options import Options
 from corrallm.fake_backend.realtime import realtime
@@ -107,7 +107,7 @@ class FakeBackend:
         if scope["type"] != "http":
             return
         path: str = scope["path"]
-        ex = Exchange(scope, receive, send)
+        ex = FakeExchange(scope, receive, send)
         if path in HEALTH_PATHS:
             self.health_checks += 1
             if self.loaded():
@@ -141,7 +141,7 @@ class FakeBackend:
                     + ("" if ex.finished else " (client disconnected)")
                 )
 
-    async def _dispatch(self, ex: Exchange, path: str) -> None:
+    async def _dispatch(self, ex: FakeExchange, path: str) -> None:
         route = self.routes.get(path) or self.slots.route(path)
         if route is None:
             await ex.respond(404, r.error_body(f"File Not Found: {path}", "not_found_error", 404))
@@ -182,7 +182,7 @@ class FakeBackend:
         self._faulty_left -= 1
         return True
 
-    def _record(self, ex: Exchange) -> None:
+    def _record(self, ex: FakeExchange) -> None:
         scope = ex.scope
         headers: dict[str, str] = {}
         for k, v in scope["headers"]:
@@ -199,7 +199,7 @@ class FakeBackend:
             }
         )
 
-    async def _debug(self, ex: Exchange, path: str) -> None:
+    async def _debug(self, ex: FakeExchange, path: str) -> None:
         method = ex.scope["method"]
         if path == "/debug/requests" and method == "DELETE":
             self.requests.clear()
@@ -221,7 +221,7 @@ class FakeBackend:
 
     # --- helpers -----------------------------------------------------------------------------
 
-    def _body(self, ex: Exchange) -> dict[str, Any]:
+    def _body(self, ex: FakeExchange) -> dict[str, Any]:
         try:
             body = ex.json()
         except ValueError as exc:
@@ -241,7 +241,7 @@ class FakeBackend:
 
     # --- generation --------------------------------------------------------------------------
 
-    async def _chat(self, ex: Exchange, faulty: bool = False) -> None:
+    async def _chat(self, ex: FakeExchange, faulty: bool = False) -> None:
         body = self._body(ex)
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:
@@ -255,7 +255,7 @@ class FakeBackend:
                 await self._generate(ex, body, True, len(words), faulty)
 
     async def _tool_call(
-        self, ex: Exchange, body: dict[str, Any], call: dict[str, Any], prompt: int
+        self, ex: FakeExchange, body: dict[str, Any], call: dict[str, Any], prompt: int
     ) -> None:
         """--tool-calls: answer with a call of a tool the request offers."""
         rid, created = self._new_id("chatcmpl")
@@ -268,7 +268,7 @@ class FakeBackend:
         events = r.tool_call_events(rid, created, model, call, prompt, include_usage)
         await self._stream(ex, events, range(1, 4))
 
-    async def _completions(self, ex: Exchange, faulty: bool = False) -> None:
+    async def _completions(self, ex: FakeExchange, faulty: bool = False) -> None:
         body = self._body(ex)
         if "prompt" not in body:
             raise BadRequest("'prompt' is required")
@@ -277,7 +277,7 @@ class FakeBackend:
             await self._generate(ex, body, False, len(words), faulty)
 
     async def _generate(
-        self, ex: Exchange, body: dict[str, Any], chat: bool, prompt: int, faulty: bool = False
+        self, ex: FakeExchange, body: dict[str, Any], chat: bool, prompt: int, faulty: bool = False
     ) -> None:
         opts = self.opts
         n, reason = r.plan(body, opts.tokens)
@@ -319,7 +319,7 @@ class FakeBackend:
         await self._stream(ex, events, range(first, first + n), faulty)
 
     async def _stream(
-        self, ex: Exchange, events: list[bytes], token_span: range, faulty: bool = False
+        self, ex: FakeExchange, events: list[bytes], token_span: range, faulty: bool = False
     ) -> None:
         """Send every event; `token_span` are the token events, spaced by --token-delay."""
         opts = self.opts
@@ -353,7 +353,7 @@ class FakeBackend:
                 return
         await ex.end_stream()
 
-    async def _stall(self, ex: Exchange, sent: int) -> None:
+    async def _stall(self, ex: FakeExchange, sent: int) -> None:
         self.log(f"srv  stall: silent after {sent} token chunks (--stall-after-tokens)")
         await ex.until_gone()
 
@@ -363,7 +363,7 @@ class FakeBackend:
 
     # --- other endpoints ---------------------------------------------------------------------
 
-    async def _embeddings(self, ex: Exchange, faulty: bool = False) -> None:
+    async def _embeddings(self, ex: FakeExchange, faulty: bool = False) -> None:
         body = self._body(ex)
         if "input" not in body:
             raise BadRequest("'input' is required")
@@ -371,7 +371,7 @@ class FakeBackend:
             return
         await ex.respond(200, r.embeddings(body, self._model(body), self.opts.embedding_dim))
 
-    async def _rerank(self, ex: Exchange, faulty: bool = False) -> None:
+    async def _rerank(self, ex: FakeExchange, faulty: bool = False) -> None:
         body = self._body(ex)
         docs = body.get("documents")
         if not isinstance(body.get("query"), str) or not isinstance(docs, list):
@@ -380,7 +380,7 @@ class FakeBackend:
             return
         await ex.respond(200, r.rerank(body, self._model(body)))
 
-    async def _transcription(self, ex: Exchange, faulty: bool = False) -> None:
+    async def _transcription(self, ex: FakeExchange, faulty: bool = False) -> None:
         fields = {k.decode(): v.decode("utf-8", "replace") for k, v in _FORM_FIELD.findall(ex.body)}
         text = f"This is a fake transcript ({len(ex.body)} request bytes)."
         if await ex.pause(self.opts.latency):
@@ -392,7 +392,7 @@ class FakeBackend:
         else:
             await ex.respond(200, orjson.dumps({"text": text}))
 
-    async def _speech(self, ex: Exchange, faulty: bool = False) -> None:
+    async def _speech(self, ex: FakeExchange, faulty: bool = False) -> None:
         body = self._body(ex)
         if not isinstance(body.get("input"), str):
             raise BadRequest("'input' (a string) is required")
@@ -411,7 +411,7 @@ class FakeBackend:
                 return
         await ex.end_stream()
 
-    async def _models(self, ex: Exchange, faulty: bool = False) -> None:
+    async def _models(self, ex: FakeExchange, faulty: bool = False) -> None:
         opts = self.opts
         model = {
             "id": opts.model_name,
@@ -422,7 +422,7 @@ class FakeBackend:
         }
         await ex.respond(200, orjson.dumps({"object": "list", "data": [model]}))
 
-    async def _props(self, ex: Exchange, faulty: bool = False) -> None:
+    async def _props(self, ex: FakeExchange, faulty: bool = False) -> None:
         opts = self.opts
         props = {
             # Like llama-server: n_ctx here is the per-slot context (n_ctx / n_slots).
@@ -433,7 +433,7 @@ class FakeBackend:
         }
         await ex.respond(200, orjson.dumps(props))
 
-    async def _index(self, ex: Exchange, faulty: bool = False) -> None:
+    async def _index(self, ex: FakeExchange, faulty: bool = False) -> None:
         # A web UI with a script and a session cookie, as real backends' pages have: what
         # corrallm's /upstream must sandbox (SPEC §22 T5).
         await ex.respond(200, INDEX_HTML, b"text/html; charset=utf-8", INDEX_HEADERS)

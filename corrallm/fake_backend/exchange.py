@@ -21,7 +21,7 @@ SSE_HEADERS = [
 ]
 
 
-class Exchange:
+class FakeExchange:
     """A request being answered. `gone()` turns true once the client has disconnected."""
 
     __slots__ = ("_json", "body", "finished", "receive", "scope", "send", "status", "watch")
@@ -147,5 +147,5 @@ class Exchange:
         return True
 
 
-Handler = Callable[[Exchange, bool], Awaitable[None]]  # (exchange, inject the faults)
+Handler = Callable[[FakeExchange, bool], Awaitable[None]]  # (exchange, inject the faults)
 Route = tuple[str, Handler]  # (method, handler)

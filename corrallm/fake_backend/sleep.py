@@ -18,7 +18,7 @@ from typing import Any
 
 import orjson
 
-from corrallm.fake_backend.exchange import JSON, Exchange, Route
+from corrallm.fake_backend.exchange import JSON, FakeExchange, Route
 from corrallm.fake_backend.memory import HeldMemory
 from corrallm.fake_backend.options import Options
 from corrallm.fake_backend.responses import error_body
@@ -81,7 +81,7 @@ class SleepMode:
 
     # --- routes ------------------------------------------------------------------------------
 
-    async def sleep(self, ex: Exchange, faulty: bool = False) -> None:
+    async def sleep(self, ex: FakeExchange, faulty: bool = False) -> None:
         query = ex.query()
         raw = query.get("level", ["1"])[-1]
         level = int(raw) if raw.strip().isdigit() else None
@@ -109,7 +109,7 @@ class SleepMode:
                 )
         await ex.respond(200, b"", _EMPTY)
 
-    async def wake_up(self, ex: Exchange, faulty: bool = False) -> None:
+    async def wake_up(self, ex: FakeExchange, faulty: bool = False) -> None:
         tags = ex.query().get("tags") or None  # None: every tag, as in vLLM
         self.log(f"INFO api_server: wake up the engine with tags: {tags}")
         async with self._lock:
@@ -145,5 +145,5 @@ class SleepMode:
         )
         return 200, b""
 
-    async def is_sleeping(self, ex: Exchange, faulty: bool = False) -> None:
+    async def is_sleeping(self, ex: FakeExchange, faulty: bool = False) -> None:
         await ex.respond(200, orjson.dumps({"is_sleeping": self.asleep}))

@@ -22,7 +22,7 @@ from typing import Any
 
 import orjson
 
-from corrallm.fake_backend.exchange import Exchange, Route
+from corrallm.fake_backend.exchange import FakeExchange, Route
 from corrallm.fake_backend.options import Options
 from corrallm.fake_backend.responses import error_body, tokens
 
@@ -154,11 +154,11 @@ class Slots:
 
     # --- routes ------------------------------------------------------------------------------
 
-    async def list_slots(self, ex: Exchange, faulty: bool = False) -> None:
+    async def list_slots(self, ex: FakeExchange, faulty: bool = False) -> None:
         n_ctx = self.opts.n_ctx_slot
         await ex.respond(200, orjson.dumps([s.view(n_ctx) for s in self.slots]))
 
-    async def action(self, ex: Exchange, faulty: bool = False) -> None:
+    async def action(self, ex: FakeExchange, faulty: bool = False) -> None:
         if self.opts.slot_save_path is None:
             await ex.respond(501, error_body(NOT_SUPPORTED, "not_supported_error", 501))
             return
@@ -188,7 +188,7 @@ class Slots:
         else:
             await self._restore(ex, slot, ex.json()["filename"], began)
 
-    async def _save(self, ex: Exchange, slot: Slot, filename: str, began: float) -> None:
+    async def _save(self, ex: FakeExchange, slot: Slot, filename: str, began: float) -> None:
         await asyncio.sleep(self.opts.slot_save_seconds)
         path = Path(self.opts.slot_save_path or "", filename)
         data = orjson.dumps(
@@ -219,7 +219,7 @@ class Slots:
         }
         await ex.respond(200, orjson.dumps(answer))
 
-    async def _restore(self, ex: Exchange, slot: Slot, filename: str, began: float) -> None:
+    async def _restore(self, ex: FakeExchange, slot: Slot, filename: str, began: float) -> None:
         await asyncio.sleep(self.opts.slot_restore_seconds)
         path = Path(self.opts.slot_save_path or "", filename)
         try:
@@ -248,7 +248,7 @@ class Slots:
         await ex.respond(200, orjson.dumps(answer))
 
 
-def _filename_problem(ex: Exchange) -> str | None:
+def _filename_problem(ex: FakeExchange) -> str | None:
     """What is wrong with a save/restore body `{"filename": NAME}`, in llama-server's words."""
     try:
         body = ex.json()

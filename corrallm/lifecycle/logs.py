@@ -28,7 +28,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TextIO
 
-from corrallm.home import open_private
+from corrallm.store.home import open_private
 
 _N_CTX = re.compile(r"\bn_ctx\s*[=:]\s*(\d+)")
 _N_CTX_SLOT = re.compile(r"\bn_ctx_slot\s*[=:]\s*(\d+)")

@@ -14,8 +14,8 @@ import re
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from corrallm.home import open_private
 from corrallm.lifecycle.process import create_time
+from corrallm.store.home import open_private
 
 
 @dataclass(frozen=True)

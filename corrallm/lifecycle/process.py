@@ -30,7 +30,7 @@ from typing import Protocol
 
 import psutil
 
-from corrallm.home import open_private
+from corrallm.store.home import open_private
 
 
 def program_argv(cmd: str) -> list[str]:

@@ -6,6 +6,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from corrallm.lifecycle.description import Description
 from corrallm.lifecycle.state import State
 
 
@@ -21,6 +22,12 @@ class RemoteEndpoint:
 
     async def ensure_ready(self, cause: object = None) -> None:
         return None
+
+    async def load(self) -> None:
+        return None
+
+    def describe(self) -> Description:
+        return Description("proxy", self.state, self.base_url)
 
     def available(self) -> bool:
         return True

@@ -57,10 +57,10 @@ class Exchange:
     headers: list[tuple[bytes, bytes]] | None = None
     # T3: a key with limits whose request was answered before they counted it (a 400,
     # 403, 404...): its counts as they are, read only if such an answer starts.
-    counts: Counted | None = None
+    counts: LimitCounts | None = None
 
 
-class Counted(Protocol):
+class LimitCounts(Protocol):
     def headers(self) -> list[tuple[bytes, bytes]]: ...
 
 

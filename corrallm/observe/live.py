@@ -20,12 +20,12 @@ from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 if TYPE_CHECKING:
     from corrallm.cost.ledger import Visit
-    from corrallm.events import EventBus
+    from corrallm.observe.events import EventBus
 
 Phase = Literal["queued", "loading", "running"]
 
 
-class Counted(Protocol):
+class MeterReading(Protocol):
     """What a relay's meter says of the answer so far (`proxy.metering.Meter`)."""
 
     @property
@@ -37,7 +37,7 @@ class LiveRequest:
     visit: Visit
     task: asyncio.Task[Any] | None
     state: Phase = "queued"
-    meter: Counted | None = None  # set by the surface once it relays an answer
+    meter: MeterReading | None = None  # set by the surface once it relays an answer
     cancelled: bool = False  # an operator asked for it to end
 
     @property

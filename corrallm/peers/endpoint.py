@@ -11,6 +11,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from corrallm.lifecycle.description import Description
 from corrallm.lifecycle.errors import PeerDown
 from corrallm.lifecycle.state import State
 from corrallm.peers import lanes
@@ -62,6 +63,19 @@ class PeerEndpoint:
                 f"{why}. Requests go to its other backends; it returns once its events "
                 "stream reconnects (GET /api/v1/overview lists peers)."
             )
+
+    async def load(self) -> None:
+        await self.ensure_ready()
+
+    def describe(self) -> Description:
+        return Description(
+            "peer",
+            self.state,
+            self.base_url,
+            node=self.peer.name,
+            last_error=self.last_error,
+            retired=self.retired,
+        )
 
     def enter(self) -> bool:
         """Count a request in flight; False if the peer cannot take it now (then

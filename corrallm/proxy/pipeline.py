@@ -29,11 +29,12 @@ from urllib.parse import urlsplit
 import aiohttp
 
 from corrallm.auth.callers import Caller, trusts_user, user_named
-from corrallm.auth.keys import Identity, Refused
-from corrallm.auth.limits import Refused as LimitRefused
+from corrallm.auth.keys import Identity
+from corrallm.auth.keys import RevokedSecret as Refused
+from corrallm.auth.limits import LimitRefusal as LimitRefused
 from corrallm.auth.limits import Remaining
 from corrallm.auth.throttle import Pass, asks_of
-from corrallm.config.schema import Backend
+from corrallm.config.schema import BackendConfig as Backend
 from corrallm.cost.ledger import UNKNOWN_MODEL, Visit
 from corrallm.gateway import Gateway
 from corrallm.lifecycle.errors import BackendPaused, LifecycleError

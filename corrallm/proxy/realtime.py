@@ -41,7 +41,7 @@ FIRST_EVENT_SECONDS = 10.0
 DENIAL = "websocket.http.response"  # the ASGI extension for an HTTP answer to an upgrade
 
 
-class Refused(Exception):
+class RealtimeRefused(Exception):
     def __init__(self, code: int, reason: str) -> None:
         super().__init__(reason)
         self.code, self.reason = code, reason[:120]  # close reasons are short
@@ -67,7 +67,7 @@ class Socket:
         if self.accepted:
             retry = exc.headers.get("retry-after")
             reason = f"{exc.code}: retry after {retry}s" if retry else exc.message
-            await self.close(Refused(_close_code(exc), reason))
+            await self.close(RealtimeRefused(_close_code(exc), reason))
         elif DENIAL in self.scope.get("extensions", {}):
             headers = [(b"content-type", JSON)]
             headers.extend((k.lower().encode(), v.encode()) for k, v in exc.headers.items())
@@ -78,7 +78,7 @@ class Socket:
         else:
             await self.send({"type": "websocket.close", "code": _close_code(exc)})
 
-    async def close(self, refused: Refused) -> None:
+    async def close(self, refused: RealtimeRefused) -> None:
         if self.accepted:
             message = {"type": "websocket.close", "code": refused.code, "reason": refused.reason}
             await self.send(message)
@@ -102,7 +102,7 @@ async def relay(pipeline: Pipeline, scope: Scope, receive: Receive, send: Send) 
         await _session(pipeline, scope, receive, socket, model, first)
     except ApiError as exc:  # refused by a gate
         await socket.refuse(exc)
-    except Refused as refused:
+    except RealtimeRefused as refused:
         await socket.close(refused)
 
 
@@ -221,15 +221,19 @@ async def _first_event(receive: Receive) -> dict[str, Any]:
         async with asyncio.timeout(FIRST_EVENT_SECONDS):
             message = await receive()
     except TimeoutError:
-        raise Refused(POLICY_VIOLATION, SILENT) from None
+        raise RealtimeRefused(POLICY_VIOLATION, SILENT) from None
     if message["type"] == "websocket.disconnect":
-        raise Refused(1000, "closed")
+        raise RealtimeRefused(1000, "closed")
     try:
         event = orjson.loads(message.get("text") or message.get("bytes") or b"")
     except orjson.JSONDecodeError:
-        raise Refused(POLICY_VIOLATION, "the first message must be a JSON session event") from None
+        raise RealtimeRefused(
+            POLICY_VIOLATION, "the first message must be a JSON session event"
+        ) from None
     if not isinstance(event, dict) or event.get("type") not in SESSION_EVENTS:
-        raise Refused(POLICY_VIOLATION, "name the model: ?model=M or a first session.update")
+        raise RealtimeRefused(
+            POLICY_VIOLATION, "name the model: ?model=M or a first session.update"
+        )
     return event
 
 
@@ -237,5 +241,5 @@ def _model_of(event: dict[str, Any]) -> str:
     session = event.get("session") or {}
     model = session.get("model") or (session.get("input_audio_transcription") or {}).get("model")
     if not isinstance(model, str) or not model:
-        raise Refused(POLICY_VIOLATION, "session.update names no model")
+        raise RealtimeRefused(POLICY_VIOLATION, "session.update names no model")
     return model

@@ -4,7 +4,7 @@ the cause and what to do."""
 
 from __future__ import annotations
 
-from corrallm.auth.limits import Refused
+from corrallm.auth.limits import LimitRefusal as Refused
 from corrallm.cost.ledger import OverSpend
 from corrallm.observe.live import LiveRequest
 from corrallm.proxy.errors import ApiError, unavailable

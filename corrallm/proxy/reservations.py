@@ -20,7 +20,7 @@ from urllib.parse import parse_qs
 
 import orjson
 
-from corrallm.config.schema import Reservations
+from corrallm.config.schema import ReservationsConfig as Reservations
 from corrallm.config.units import parse_duration, rfc3339
 from corrallm.cost.ledger import Visit
 from corrallm.gateway import Caller, Gateway
@@ -31,29 +31,11 @@ from corrallm.proxy.errors import ApiError, bad_request, not_found, quoted
 from corrallm.proxy.pipeline import Inbound, Pipeline
 from corrallm.proxy.refusals import spend_limited
 from corrallm.routing.router import Route
+from corrallm.scheduler.admission import live_leases
 from corrallm.scheduler.leases import Lease
 
 ENDPOINT = "/v1/reservations"
 DEFAULT = Reservations()  # a lane with no configured group (the built-in default)
-
-
-def live_leases(gateway: Gateway, holder: str | None = None) -> list[dict[str, Any]]:
-    """Live leases (SPEC §7): who holds how many slots of which backend, until when;
-    `holder`: only that key's."""
-    admission = gateway.admission
-    now, clock = time.time(), admission.clock()
-    return [
-        {
-            "model": lease.route.model,
-            "backend": lease.route.id,
-            "lane": lease.group,
-            "key": lease.holder,
-            "slots": lease.slots,
-            "expires_at": rfc3339(now + lease.until - clock),
-        }
-        for lease in admission.leases()
-        if holder is None or lease.holder == holder
-    ]
 
 
 def holder_of(caller: Caller) -> str:
@@ -89,7 +71,9 @@ async def handle(pipeline: Pipeline, caller: Caller, scope: Scope, send: Send, b
     method = scope["method"]
     holder = holder_of(caller)
     if method == "GET":  # T5: the caller's own leases only
-        await _json(send, 200, {"object": "list", "data": live_leases(pipeline.gw, holder)})
+        await _json(
+            send, 200, {"object": "list", "data": live_leases(pipeline.gw.admission, holder)}
+        )
     elif method == "POST":
         await _json(send, 200, await _reserve(pipeline, caller, holder, body))
     else:

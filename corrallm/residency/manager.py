@@ -17,12 +17,14 @@ import math
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from corrallm.config.schema import ANY_GPU, Server
 from corrallm.config.units import format_size
 from corrallm.lifecycle.errors import LifecycleError
+from corrallm.lifecycle.starting import Placement
 from corrallm.lifecycle.state import State
-from corrallm.lifecycle.supervisor import Placement, Supervisor
+from corrallm.lifecycle.supervisor import Supervisor
 from corrallm.lifecycle.transitions import Transitions
 from corrallm.residency.learning import Learning, in_pools, mismatches
 from corrallm.residency.measure import MemoryReader, command_key, visible_gpu
@@ -42,8 +44,21 @@ DEFAULT_LOAD_SECONDS = 30.0
 DEFAULT_WAKE_SECONDS = 5.0
 
 
+class Placeable(Protocol):
+    """What `could_fit` reads of a process: which one, and its state."""
+
+    @property
+    def id(self) -> str: ...
+    @property
+    def state(self) -> State: ...
+
+
 class NoRoom(LifecycleError):
     """No eviction can make room now, and none came free within the wait."""
+
+    status = 503
+    management_status = 503
+    code = "insufficient_capacity"
 
 
 @dataclass
@@ -228,7 +243,7 @@ class Residency:
                 total[pool] = total.get(pool, 0) + n
         return total
 
-    def could_fit(self, sup: Supervisor) -> bool:
+    def could_fit(self, sup: Placeable) -> bool:
         """Whether a start of `sup` could be placed now, evicting idle residents if needed."""
         tenancy = self.tenancies.get(sup.id)
         if tenancy is None or tenancy.server is None:

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
 
-from corrallm.config.schema import Model
+from corrallm.config.schema import ModelConfig
 
 # corrallm routes by `model` (and renames it per backend) and reads `stream` itself.
 UNTOUCHABLE = frozenset({"model", "stream"})
@@ -64,7 +64,7 @@ def _params(params: Mapping[str, Any]) -> Mapping[str, Any]:
     return MappingProxyType(kept) if kept else _EMPTY
 
 
-def filters_of(model: Model) -> RequestFilters:
+def filters_of(model: ModelConfig) -> RequestFilters:
     """The filters of `model`, with the table alias -> its own setParams."""
     spec = model.filters
     by_alias = {a.name: _params(a.set_params) for a in model.alias_specs if a.set_params}

@@ -6,7 +6,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from corrallm.config.schema import Backend, Model, PriorityGroup
+from corrallm.config.schema import BackendConfig, ModelConfig, PriorityGroup
+from corrallm.lifecycle.description import Description
 from corrallm.lifecycle.state import State
 from corrallm.routing.filters import NO_FILTERS, RequestFilters
 from corrallm.routing.tiers import may_serve, tiers
@@ -25,6 +26,15 @@ class Endpoint(Protocol):
     def base_url(self) -> str: ...
 
     async def ensure_ready(self, cause: tuple[str | None, str, str] | None = None) -> None: ...
+    async def load(self) -> None:
+        """An explicit load (POST /api/v1/models/{name}/load)."""
+        ...
+
+    def describe(self) -> Description:
+        """What it says of itself: its kind, node, url, state... (views never ask which
+        class it is)."""
+        ...
+
     def available(self) -> bool: ...
     def enter(self) -> bool: ...
     def leave(self) -> None: ...
@@ -36,7 +46,7 @@ class Route:
 
     id: str
     model: str
-    config: Backend
+    config: BackendConfig
     endpoint: Endpoint
     filters: RequestFilters = NO_FILTERS  # its model's request filters (K5)
 
@@ -44,7 +54,7 @@ class Route:
 @dataclass
 class ServedModel:
     name: str
-    config: Model
+    config: ModelConfig
     routes: list[Route]
     _tiers: list[list[Route]] = field(init=False)
 

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from corrallm.config.schema import Backend, PriorityGroup
+from corrallm.config.schema import BackendConfig, PriorityGroup
 
 
-def tiers(backends: Sequence[Backend]) -> list[list[int]]:
+def tiers(backends: Sequence[BackendConfig]) -> list[list[int]]:
     """Consecutive backends of the same `type` and `quality` form a tier (indices)."""
     out: list[list[int]] = []
     for i, backend in enumerate(backends):
@@ -18,7 +18,7 @@ def tiers(backends: Sequence[Backend]) -> list[list[int]]:
     return out
 
 
-def may_serve(backend: Backend, primary_quality: int, group: PriorityGroup | None) -> bool:
+def may_serve(backend: BackendConfig, primary_quality: int, group: PriorityGroup | None) -> bool:
     """F2: a lower-quality backend serves a group only if it accepts degrade above its floor."""
     if backend.quality >= primary_quality:
         return True
@@ -27,5 +27,5 @@ def may_serve(backend: Backend, primary_quality: int, group: PriorityGroup | Non
     return group.quality_floor is None or backend.quality >= group.quality_floor
 
 
-def _tier_key(backend: Backend) -> tuple[str, int]:
+def _tier_key(backend: BackendConfig) -> tuple[str, int]:
     return backend.type, backend.quality

@@ -16,9 +16,10 @@ import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
-from corrallm.config.schema import Config, PriorityGroup
-from corrallm.config.schema import Policy as PolicyConfig
+from corrallm.config.schema import Config, PolicyConfig, PriorityGroup
+from corrallm.config.units import rfc3339
 from corrallm.routing.affinity import Affinity
 from corrallm.routing.choice import ranks
 from corrallm.routing.router import Route
@@ -328,3 +329,21 @@ def _groups(config: Config) -> list[GroupSpec]:
 
 def retry_after_header(seconds: float) -> str:
     return str(max(1, math.ceil(seconds)))
+
+
+def live_leases(admission: Admission, holder: str | None = None) -> list[dict[str, Any]]:
+    """Live leases (SPEC §7): who holds how many slots of which backend, until when;
+    `holder`: only that key's. What GET /v1/reservations and the management API show."""
+    now, clock = time.time(), admission.clock()
+    return [
+        {
+            "model": lease.route.model,
+            "backend": lease.route.id,
+            "lane": lease.group,
+            "key": lease.holder,
+            "slots": lease.slots,
+            "expires_at": rfc3339(now + lease.until - clock),
+        }
+        for lease in admission.leases()
+        if holder is None or lease.holder == holder
+    ]

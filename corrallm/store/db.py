@@ -24,8 +24,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
-from corrallm.home import make_private, open_private
 from corrallm.store.dialect import SQLITE, Dialect
+from corrallm.store.home import make_private, open_private
 from corrallm.store.schema import migrations
 
 T = TypeVar("T")

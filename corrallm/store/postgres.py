@@ -217,7 +217,7 @@ def fix_for(url: str, reason: str) -> str:
     return f"check that PostgreSQL is running at {server} (or fix the host and port in --db)"
 
 
-class Record:
+class PgRow:
     """One row: by column name or position, like sqlite3.Row."""
 
     __slots__ = ("_index", "_values")
@@ -242,11 +242,11 @@ class Record:
         return f"Record({dict(zip(self._index, self._values, strict=True))!r})"
 
 
-def _records(cursor: psycopg.AsyncCursor[Any]) -> RowMaker[Record]:
+def _records(cursor: psycopg.AsyncCursor[Any]) -> RowMaker[PgRow]:
     index = {column.name: i for i, column in enumerate(cursor.description or ())}
 
-    def make(values: Sequence[Any]) -> Record:
-        return Record(index, values)
+    def make(values: Sequence[Any]) -> PgRow:
+        return PgRow(index, values)
 
     return make
 

@@ -27,7 +27,7 @@ from corrallm.store.db import Store
 from corrallm.store.spend import RESERVATION_SECONDS
 from corrallm.store.writes import QueuedWrites
 
-__all__ = ["RESERVATION_SECONDS", "Counted", "RateLog", "prune", "reserve", "timeline"]
+__all__ = ["RESERVATION_SECONDS", "RateLog", "WindowCount", "prune", "reserve", "timeline"]
 
 # Parameters: (subject, rpm, tpm) per subject; window start (rpm), window start (tpm),
 # now (live reservations); the estimate (fits); now, the estimate, gateway, expiry (the
@@ -65,7 +65,7 @@ _SETTLE = (
 
 
 @dataclass(frozen=True, slots=True)
-class Counted:
+class WindowCount:
     subject: str
     requests: int  # requests in its window before this one, every gateway's
     tokens: int  # tokens used in its window plus live reservations, before this one
@@ -79,7 +79,7 @@ async def reserve(
     window: float,
     now: float,
     gateway: str,
-) -> list[Counted]:
+) -> list[WindowCount]:
     """Count one request of `tokens` estimated tokens in each (subject, rpm, tpm) if every
     one of them still has room in its last `window` seconds, atomically across gateways."""
     values = ", ".join([_VALUE] * len(asks))
@@ -99,7 +99,7 @@ async def reserve(
         now + RESERVATION_SECONDS,
     ]
     rows = await store.transact([*locks, (_RESERVE.format(values=values), args)])
-    return [Counted(r["subject"], int(r["requests"]), int(r["tokens"]), r["id"]) for r in rows]
+    return [WindowCount(r["subject"], int(r["requests"]), int(r["tokens"]), r["id"]) for r in rows]
 
 
 async def timeline(

@@ -20,9 +20,9 @@ import jinja2
 from corrallm import __version__
 from corrallm.api.auth import COOKIE, authorized, canonical
 from corrallm.gateway import Gateway
-from corrallm.proxy.asgi import Receive, Scope, Send, send_bytes
+from corrallm.http.asgi import Receive, Scope, Send, send_bytes
+from corrallm.http.errors import ApiError
 from corrallm.proxy.bodies import Bodies
-from corrallm.proxy.errors import ApiError
 from corrallm.ui import views
 from corrallm.ui.money import money
 

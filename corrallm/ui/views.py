@@ -129,7 +129,7 @@ def lanes(gw: Gateway) -> dict[str, Any]:
         limit = spec.spend_limit if spec else None
         r["spend_limit_usd"] = limit.usd if limit else None
         r["spend_window"] = limit.window if limit else None
-    return {"lanes": rows, "reservations": service.reservations(gw)["reservations"]}
+    return {"lanes": rows, "reservations": service.reservations(gw).reservations}
 
 
 def nodes(gw: Gateway) -> dict[str, Any]:
@@ -208,7 +208,7 @@ def logs(gw: Gateway, model: str | None) -> dict[str, Any]:
     chosen = model if model in names else (names[0] if names else None)
     # No model at all (a gateway whose models all come from peers not yet connected).
     empty: dict[str, Any] = {"lines": [], "n_ctx": None, "n_slots": None}
-    data = service.model_logs(gw, chosen, 200) if chosen else empty
+    data = service.model_logs(gw, chosen, 200).model_dump() if chosen else empty
     backend = gw.models[chosen].primary.endpoint.id if chosen else None
     return {"models": names, "model": chosen, "backend": backend, **data}
 

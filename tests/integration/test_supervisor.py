@@ -9,8 +9,8 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from corrallm.config.schema import Backend
-from corrallm.lifecycle import supervisor as supervisor_module
+from corrallm.config.schema import BackendConfig as Backend
+from corrallm.lifecycle import starting as supervisor_module
 from corrallm.lifecycle.addresses import free_port
 from corrallm.lifecycle.errors import BackendFailed, LifecycleBusy
 from corrallm.lifecycle.process import group_alive

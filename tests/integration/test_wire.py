@@ -1,4 +1,4 @@
-"""The gateway's HTTP/1.1 connection on the wire (corrallm/connection.py, SPEC §13): what
+"""The gateway's HTTP/1.1 connection on the wire (corrallm/http/connection.py, SPEC §13): what
 its own response writer and disconnect hook handle, seen from a raw loopback socket
 against a real `corrallm serve` and fake backend.
 

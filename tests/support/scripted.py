@@ -10,7 +10,7 @@ import itertools
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
-from corrallm.config.schema import Backend
+from corrallm.config.schema import BackendConfig as Backend
 from corrallm.lifecycle.process import Spawned
 from corrallm.lifecycle.state import State
 from corrallm.lifecycle.supervisor import Supervisor

@@ -10,7 +10,10 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from corrallm.config.schema import Backend, Config, Policy, PriorityGroup, Scheduler
+from corrallm.config.schema import BackendConfig as Backend
+from corrallm.config.schema import Config, PriorityGroup
+from corrallm.config.schema import PolicyConfig as Policy
+from corrallm.config.schema import SchedulerConfig as Scheduler
 from corrallm.lifecycle.state import State
 from corrallm.routing.router import Route
 from corrallm.scheduler.admission import Admission, Rejected, Ticket

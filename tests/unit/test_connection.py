@@ -1,4 +1,4 @@
-"""corrallm/connection.py's response writer (`LeanCycle`) against a recording transport:
+"""corrallm/http/connection.py's response writer (`LeanCycle`) against a recording transport:
 what goes out, in how many writes, and uvicorn's checks kept."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 from uvicorn.protocols.http.flow_control import FlowControl
 
-from corrallm.connection import LeanCycle
+from corrallm.http.connection import LeanCycle
 from corrallm.proxy.asgi import CONNECTION
 
 

@@ -6,7 +6,7 @@ import asyncio
 import orjson
 import pytest
 
-from corrallm.events import EventBus, buffer_from_env
+from corrallm.observe.events import EventBus, buffer_from_env
 
 
 async def take(stream, n: int) -> list[bytes]:

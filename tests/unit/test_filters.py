@@ -9,7 +9,9 @@ from typing import Any
 import orjson
 
 from corrallm.config import load_config_text
-from corrallm.config.schema import Backend, Filters, Model
+from corrallm.config.schema import BackendConfig as Backend
+from corrallm.config.schema import Filters
+from corrallm.config.schema import ModelConfig as Model
 from corrallm.lifecycle.remote import RemoteEndpoint
 from corrallm.proxy.inference import upstream_body
 from corrallm.routing.filters import NO_FILTERS, filters_of

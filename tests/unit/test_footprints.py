@@ -7,7 +7,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from corrallm.config.schema import Backend, Server
+from corrallm.config.schema import BackendConfig as Backend
+from corrallm.config.schema import Server
 from corrallm.lifecycle.supervisor import Supervisor
 from corrallm.residency import learning
 from corrallm.residency.manager import Residency, Tenancy

@@ -12,7 +12,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from corrallm.cost.ledger import Visit
 from corrallm.cost.model import Metered
-from corrallm.metrics import HISTOGRAMS, LOAD_FLOOR_SECONDS, Latency
+from corrallm.observe.metrics import HISTOGRAMS, LOAD_FLOOR_SECONDS, Latency
 
 T0 = 1000.0  # the arrival, on the monotonic clock
 

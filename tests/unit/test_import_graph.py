@@ -9,6 +9,11 @@ with a literal name. `from P import n` is an edge to P (the statement runs P's
 each cycle (a strongly connected component): its members, one shortest loop through
 them, and every edge between them as file:line, so whoever fixes it sees which imports
 close it.
+
+Above that, the top-level units are layered: `LAYERS` is the table of every edge one
+top-level unit may have to another, and any other edge fails (with its file:line). In
+particular the management API (`api`) never imports the `/v1` package (`proxy`): what
+both use sits lower (http/ for errors and ASGI helpers, scheduler/ for live leases).
 """
 
 from __future__ import annotations
@@ -124,6 +129,91 @@ def unit_edges() -> list[Edge]:
     )
 
 
+# What each top-level unit may import, lowest layers first. A unit missing from the table
+# may import nothing of the package. Adding an edge here is a design decision: say why.
+LAYERS: dict[str, set[str]] = {
+    # The floor: imports nothing of the package.
+    "http": set(),  # server pieces every surface shares (connection, head guard, errors)
+    "config": set(),
+    "fake_backend": set(),
+    "store": set(),
+    "tools": {"config"},
+    # Owners of one noun each.
+    "auth": {"config", "store"},
+    "lifecycle": {"config", "store"},
+    "cost": {"config", "lifecycle", "store"},
+    "peers": {"config", "lifecycle"},
+    "routing": {"config", "lifecycle"},
+    "residency": {"config", "lifecycle", "store"},
+    "scheduler": {"config", "routing"},
+    "observe": {
+        "auth",
+        "config",
+        "cost",
+        "lifecycle",
+        "peers",
+        "residency",
+        "routing",
+        "scheduler",
+    },
+    # The runtime: the topology the config makes, and the gateway holding the owners.
+    "topology": {"config", "lifecycle", "peers", "residency", "routing"},
+    "gateway": {
+        "auth",
+        "config",
+        "cost",
+        "lifecycle",
+        "observe",
+        "peers",
+        "residency",
+        "routing",
+        "scheduler",
+        "store",
+        "topology",
+    },
+    # The surfaces: /v1 (proxy) and management (api) side by side, neither importing
+    # the other; the dashboard renders the management views.
+    "proxy": {
+        "auth",
+        "config",
+        "cost",
+        "gateway",
+        "http",
+        "lifecycle",
+        "observe",
+        "peers",
+        "residency",
+        "routing",
+        "scheduler",
+    },
+    "api": {
+        "(root)",
+        "auth",
+        "config",
+        "gateway",
+        "http",
+        "lifecycle",
+        "observe",
+        "residency",
+        "routing",
+        "scheduler",
+        "store",
+    },
+    # ui -> proxy: proxy/bodies.py (to move to http/) and the audio catalog.
+    "ui": {"(root)", "api", "config", "gateway", "http", "proxy"},
+    # The process: the ASGI app, the server, the command line.
+    "app": {"api", "config", "gateway", "http", "observe", "peers", "proxy", "ui"},
+    "server": {"api", "app", "config", "gateway", "http", "observe", "proxy", "store"},
+    "cli": {"(root)", "api", "auth", "config", "fake_backend", "residency", "server", "tools"},
+    "__main__": {"cli", "fake_backend"},
+}
+
+
+def short(unit: str) -> str:
+    """corrallm.proxy -> proxy; corrallm (its __init__) -> (root)."""
+    return unit.partition(".")[2] or "(root)"
+
+
 def components(edges: Iterable[Edge]) -> list[list[str]]:
     """Strongly connected components with more than one member (Tarjan), sorted."""
     graph: dict[str, set[str]] = defaultdict(set)
@@ -206,6 +296,30 @@ def test_conventions_no_import_cycle_between_modules():
 def test_conventions_no_import_cycle_between_top_level_units():
     edges = unit_edges()
     assert components(edges) == [], report("top-level units", edges)
+
+
+def test_conventions_top_level_units_import_only_along_the_layer_table():
+    outside = [e for e in unit_edges() if short(e.target) not in LAYERS.get(short(e.source), set())]
+    assert outside == [], "edges outside the layer table (LAYERS):\n" + "\n".join(
+        f"  {e}" for e in outside
+    )
+
+
+def test_conventions_the_layer_table_names_real_units_and_has_no_cycle():
+    units = {short(unit_of(m)) for m in modules()}
+    named = set(LAYERS) | {t for targets in LAYERS.values() for t in targets}
+    assert named <= units, f"the table names units that do not exist: {named - units}"
+    table = [Edge(s, t, "LAYERS", 0) for s, targets in LAYERS.items() for t in targets]
+    assert components(table) == [], report("rows of the layer table", table)
+
+
+def test_conventions_the_management_api_never_imports_the_v1_package():
+    assert "proxy" not in LAYERS["api"]
+    assert [
+        e
+        for e in module_edges()
+        if e.source.startswith("corrallm.api") and e.target.startswith("corrallm.proxy")
+    ] == []
 
 
 def test_conventions_the_import_walk_sees_every_kind_of_import():

@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 
 from corrallm.auth.keys import Identity
-from corrallm.auth.limits import Ask, Refused
+from corrallm.auth.limits import Ask
+from corrallm.auth.limits import LimitRefusal as Refused
 from corrallm.auth.throttle import Pass, Throttle, asks_of
 from corrallm.config import load_config_text
 from corrallm.config.schema import KeyLimits, RateLimits, SpendLimit

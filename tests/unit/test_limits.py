@@ -14,10 +14,12 @@ from corrallm.auth.limits import (
     Ask,
     Hold,
     Limiter,
-    Refused,
     Remaining,
     rpm_retry,
     tpm_retry,
+)
+from corrallm.auth.limits import (
+    LimitRefusal as Refused,
 )
 from corrallm.config.schema import RateLimits
 

@@ -12,7 +12,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from corrallm.config.schema import Backend, Server
+from corrallm.config.schema import BackendConfig as Backend
+from corrallm.config.schema import Server
 from corrallm.lifecycle.state import State
 from corrallm.lifecycle.supervisor import Placement, Supervisor
 from corrallm.lifecycle.transitions import Transitions

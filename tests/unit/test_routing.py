@@ -1,6 +1,7 @@
 """F1/F2: tiers of consecutive same type+quality backends; degrade only where accepted."""
 
-from corrallm.config.schema import Backend, PriorityGroup
+from corrallm.config.schema import BackendConfig as Backend
+from corrallm.config.schema import PriorityGroup
 from corrallm.routing.tiers import may_serve, tiers
 
 

@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 
 from corrallm.auth.callers import Callers
-from corrallm.auth.keys import KeyRing, Refused, hash_text
+from corrallm.auth.keys import KeyRing, hash_text
+from corrallm.auth.keys import RevokedSecret as Refused
 from corrallm.auth.runtime import KeyExists, KeyInConfig, KeyNotFound, RuntimeKeys
 from corrallm.config import Config
 from corrallm.config.loading import load_config_text

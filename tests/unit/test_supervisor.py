@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import asyncio
 
-from corrallm.config.schema import Backend
+from corrallm.config.schema import BackendConfig as Backend
 from corrallm.lifecycle.pidrecords import PidRecord
+from corrallm.lifecycle.starting import HEALTH_POLL_SECONDS
 from corrallm.lifecycle.state import State
-from corrallm.lifecycle.supervisor import HEALTH_POLL_SECONDS, Supervisor
+from corrallm.lifecycle.supervisor import Supervisor
 from tests.support.scripted import CMD, World, failure, until
 
 

@@ -6,7 +6,7 @@ import pytest
 
 from corrallm.config import load_config_text
 from corrallm.config.units import env_value, format_size, parse_duration, parse_size
-from corrallm.events import buffer_from_env
+from corrallm.observe.events import buffer_from_env
 from corrallm.proxy.bodies import BodyLimits
 
 

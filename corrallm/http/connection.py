@@ -37,8 +37,8 @@ from uvicorn.protocols.http.httptools_impl import (
     RequestResponseCycle,
 )
 
-from corrallm.head_guard import GuardedProtocol, HeadGuard
-from corrallm.proxy.asgi import CONNECTION
+from corrallm.http.asgi import CONNECTION
+from corrallm.http.head_guard import GuardedProtocol, HeadGuard
 
 _NAME, _VALUE = itemgetter(0), itemgetter(1)
 _FRAMING = frozenset({b"content-length", b"transfer-encoding", b"connection"})
@@ -196,7 +196,7 @@ class LeanCycle(RequestResponseCycle):
                 self.transport.write(head)
 
 
-class Connection(GuardedProtocol):
+class ClientConnection(GuardedProtocol):
     """One client connection: the head limits, the lean cycle with its disconnect hook."""
 
     _watchers: list[Callable[[], None]] | None = None  # per connection, made on first use
@@ -222,11 +222,11 @@ class Connection(GuardedProtocol):
             gone()
 
 
-def protocol_class(guard: HeadGuard) -> type[Connection]:
+def protocol_class(guard: HeadGuard) -> type[ClientConnection]:
     """A `Connection` subclass bound to `guard`, for `uvicorn.Config(http=...)` (which
     takes a class and makes one per connection)."""
 
-    class CorrallmHttpProtocol(Connection):
+    class CorrallmHttpProtocol(ClientConnection):
         pass
 
     CorrallmHttpProtocol.guard = guard

@@ -13,11 +13,11 @@ from collections.abc import Callable
 
 from corrallm.auth.keys import UNKNOWN
 from corrallm.cost.ledger import UNKNOWN_MODEL, Ledger, Visit
-from corrallm.events import EventBus
 from corrallm.lifecycle.state import State
 from corrallm.lifecycle.supervisor import Supervisor
 from corrallm.lifecycle.transitions import Transitions
-from corrallm.metrics import Metrics
+from corrallm.observe.events import EventBus
+from corrallm.observe.metrics import Metrics
 from corrallm.scheduler.admission import Admission
 
 log = logging.getLogger("corrallm.lifecycle")

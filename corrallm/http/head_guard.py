@@ -232,7 +232,7 @@ class _Linger(asyncio.Protocol):
 class GuardedProtocol(HttpToolsProtocol):
     """uvicorn's httptools protocol with the header timeout, head size and pending cap.
 
-    The server uses it through `connection.Connection`, bound to one server's
+    The server uses it through `connection.ClientConnection`, bound to one server's
     `HeadGuard` by `connection.protocol_class(guard)`.
     """
 
