@@ -11,7 +11,7 @@ import orjson
 from corrallm.config import load_config_text
 from corrallm.config.schema import Backend, Filters, Model
 from corrallm.lifecycle.remote import RemoteEndpoint
-from corrallm.proxy.inference import upstream_body
+from corrallm.proxy.dialects.openai import upstream_body
 from corrallm.routing.filters import NO_FILTERS, filters_of
 from corrallm.routing.router import Route
 from corrallm.topology import build
