@@ -36,16 +36,9 @@ from corrallm.http.errors import ApiError, internal, not_found, quoted
 from corrallm.observe.context import CURRENT, HEADER, Exchange, new_request_id
 from corrallm.observe.metrics import CONTENT_TYPE
 from corrallm.peers import lanes
-from corrallm.proxy import (
-    anthropic,
-    audio,
-    inference,
-    passthrough,
-    realtime,
-    reservations,
-    responses,
-)
+from corrallm.proxy import passthrough, reservations
 from corrallm.proxy.bodies import Bodies, BodyLimits
+from corrallm.proxy.dialects import anthropic, audio, openai, realtime, responses
 from corrallm.proxy.models import ModelCatalog
 from corrallm.proxy.pipeline import Pipeline
 from corrallm.ui.app import Dashboard, is_dashboard_path
@@ -73,12 +66,12 @@ class Surface:
 
 
 SURFACES: dict[str, Surface] = {
-    "/v1/chat/completions": Surface("POST", inference.serve),
-    "/v1/completions": Surface("POST", inference.serve),
-    "/v1/embeddings": Surface("POST", inference.serve),
-    "/v1/rerank": Surface("POST", inference.serve),
-    "/rerank": Surface("POST", inference.serve),
-    "/v1/audio/speech": Surface("POST", inference.serve),
+    "/v1/chat/completions": Surface("POST", openai.serve),
+    "/v1/completions": Surface("POST", openai.serve),
+    "/v1/embeddings": Surface("POST", openai.serve),
+    "/v1/rerank": Surface("POST", openai.serve),
+    "/rerank": Surface("POST", openai.serve),
+    "/v1/audio/speech": Surface("POST", openai.serve),
     "/v1/audio/transcriptions": Surface("POST", audio.transcribe),
     "/v1/audio/translations": Surface("POST", audio.transcribe),
     "/v1/messages": Surface("POST", anthropic.serve, anthropic.write_error),

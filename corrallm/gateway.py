@@ -20,7 +20,7 @@ import logging
 import time
 from collections.abc import Callable, Coroutine, Iterable
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from corrallm.auth.callers import Caller, Callers
 from corrallm.auth.keys import KeyRing
@@ -42,6 +42,7 @@ from corrallm.observe.live import LiveRequests
 from corrallm.observe.metrics import Metrics
 from corrallm.observe.telemetry import Telemetry
 from corrallm.peers.catalog import PeerView
+from corrallm.peers.endpoint import PeerEndpoint
 from corrallm.peers.nodes import Nodes
 from corrallm.residency.footprints import estimate_footprints
 from corrallm.residency.manager import Residency
@@ -197,6 +198,22 @@ class Gateway:
         """Could this route serve now without waiting for memory (R2 spill)?"""
         endpoint = route.endpoint
         return endpoint.describe().kind != "process" or self.residency.could_fit(endpoint)
+
+    # -- the rest of what a request asks (proxy/runtime.py's Runtime) ---------------------
+
+    def user_header(self) -> bytes | None:
+        return self.callers.user_header
+
+    def paused(self, kind: Literal["model", "extension"], name: str) -> bool:
+        return self.pauses.paused(kind, name)
+
+    def upstream_idle(self, route: Route) -> float:
+        return self.config.upstream_idle(route.config)
+
+    def peer_failed(self, route: Route, message: str) -> None:
+        endpoint = route.endpoint
+        if isinstance(endpoint, PeerEndpoint):
+            self.nodes.suspect(endpoint.peer, message)
 
     def settle(self, visit: Visit) -> None:
         """A request is over: its cost, spend, activity row, metrics and usage event."""

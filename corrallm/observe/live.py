@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
@@ -39,6 +40,8 @@ class LiveRequest:
     state: Phase = "queued"
     meter: MeterReading | None = None  # set by the surface once it relays an answer
     cancelled: bool = False  # an operator asked for it to end
+    # How the pipeline stops it for that (its interrupt recorded, then its task cancelled)
+    stop: Callable[[], object] | None = None
 
     @property
     def id(self) -> str:
@@ -99,6 +102,8 @@ class LiveRequests:
             return None
         if not live.cancelled:
             live.cancelled = True
-            if live.task is not None:
+            if live.stop is not None:
+                live.stop()
+            elif live.task is not None:
                 live.task.cancel()
         return live

@@ -20,8 +20,9 @@ from collections.abc import Awaitable
 from corrallm.lifecycle.addresses import origin
 from corrallm.proxy.asgi import Message, Receive, Scope, Send
 from corrallm.proxy.errors import not_found
-from corrallm.proxy.forward import DisconnectWatch, forward, request_headers
+from corrallm.proxy.forward import DisconnectWatch, request_headers
 from corrallm.proxy.pipeline import Admitted, Inbound, Pipeline, caller_key, ready
+from corrallm.proxy.relay import forward
 from corrallm.routing.router import Route
 
 ENDPOINT = "/upstream"  # what its activity rows say (never the caller's own path)
@@ -85,7 +86,7 @@ async def operator(
             _extra(route),
             watch,
             route.id,
-            idle_timeout=pipeline.gw.config.upstream_idle(route.config),
+            idle_timeout=pipeline.runtime.upstream_idle(route),
         )
     except asyncio.CancelledError:
         if watch.absorb():
@@ -104,9 +105,9 @@ def keyed(
     inbound = Inbound(model, ENDPOINT, caller_key(scope), len(body))
 
     async def work(admitted: Admitted) -> int:
-        route, ticket = admitted.route, admitted.ticket
+        route = admitted.route
         # Raw bytes that corrallm cannot end at a boundary: a preemption waits for it.
-        ticket.started = ticket.shielded = True
+        admitted.progress.begin()
         url = _url(route, rest)
         return await forward(
             pipeline.upstream,
@@ -118,7 +119,7 @@ def keyed(
             _extra(route),
             watch,
             route.id,
-            idle_timeout=pipeline.gw.config.upstream_idle(route.config),
+            idle_timeout=pipeline.runtime.upstream_idle(route),
         )
 
     watch = DisconnectWatch(receive, scope)

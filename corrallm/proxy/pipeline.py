@@ -22,8 +22,9 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, cast
 from urllib.parse import urlsplit
 
 import aiohttp
@@ -36,7 +37,6 @@ from corrallm.auth.limits import Remaining
 from corrallm.auth.throttle import Pass, asks_of
 from corrallm.config.schema import BackendConfig as Backend
 from corrallm.cost.ledger import UNKNOWN_MODEL, Visit
-from corrallm.gateway import Gateway
 from corrallm.lifecycle.errors import BackendPaused, LifecycleError
 from corrallm.lifecycle.supervisor import Cause
 from corrallm.observe.context import CURRENT, answer_begun, new_request_id
@@ -63,8 +63,13 @@ from corrallm.proxy.refusals import (
     spend_limited,
     too_many_requests,
 )
+from corrallm.proxy.runtime import Runtime
 from corrallm.routing.router import Route, ServedModel
-from corrallm.scheduler.admission import Rejected, Ticket
+from corrallm.scheduler.admission import Rejected
+from corrallm.scheduler.ticket import Interrupt, Interruption, Progress, Stop, Ticket
+
+if TYPE_CHECKING:
+    from corrallm.gateway import Gateway
 
 
 @dataclass(slots=True)
@@ -99,6 +104,11 @@ class Admitted:
     def route(self) -> Route:
         return self.ticket.route
 
+    @property
+    def progress(self) -> Progress:
+        """The relay's progress with this attempt's answer (what the pipeline reads)."""
+        return self.ticket.progress
+
     def upstream_headers(
         self, raw: Iterable[tuple[bytes, bytes]], url: str, method: str = "POST"
     ) -> Headers:
@@ -113,17 +123,15 @@ class Admitted:
         return request_headers(raw, extra)
 
 
-# The surface's part: talk to the admitted backend, fill in `visit.metered`/`ttfb_ms`, and
-# return the status to record.
+# The surface's part: talk to the admitted backend (proxy/relay.py), fill in
+# `visit.metered`/`ttfb_ms`, and return the status to record. The relay keeps
+# `admitted.progress`, which says how an interruption may end the answer.
 Work = Callable[[Admitted], Awaitable[int]]
-# Ends an answer already under way, at an event boundary, with this error: a preemption
-# took its slot (S4), or an operator cancelled it (O1).
-Interrupted = Callable[[Admitted, ApiError], Awaitable[None]]
 
 
 class Pipeline:
-    def __init__(self, gateway: Gateway) -> None:
-        self.gw = gateway
+    def __init__(self, runtime: Runtime) -> None:
+        self.runtime = runtime
         self.upstream = Client()  # the hot path's pooled HTTP/1.1 client
         self._websockets: aiohttp.ClientSession | None = None
 
@@ -134,6 +142,12 @@ class Pipeline:
             self._websockets = new_session()
         return self._websockets
 
+    @property
+    def gw(self) -> Gateway:
+        """The whole gateway, for the surfaces that are not requests on a backend
+        (reservations, the model catalog); the request path reads `runtime` only."""
+        return cast("Gateway", self.runtime)
+
     async def close(self) -> None:
         await self.upstream.close()
         if self._websockets is not None:
@@ -142,13 +156,13 @@ class Pipeline:
     def has_choice(self, model: str) -> bool:
         """Whether a request for `model` may have a choice of backend (not an unknown
         name: the gates refuse it, and nothing of it is worth hashing)."""
-        served = self.gw.models.get(model)
+        served = self.runtime.models.get(model)
         return served is not None and len(served.routes) > 1
 
     # -- the first gates, also for reservations and /upstream ------------------------
 
     def lookup(self, model: str, reloaded: bool = False) -> ServedModel:
-        served = self.gw.models.get(model)
+        served = self.runtime.models.get(model)
         if served is None:
             # Raised as made, never held in a local: an exception in a local of a frame
             # its traceback holds is a cycle, and the request's body with it would wait
@@ -157,7 +171,7 @@ class Pipeline:
         return served
 
     def _not_served(self, model: str, reloaded: bool) -> ApiError:
-        names = ", ".join(s.name for s in self.gw.served if not s.config.unlisted)
+        names = ", ".join(s.name for s in self.runtime.served if not s.config.unlisted)
         what = (
             "was removed by a config reload while this request waited"
             if reloaded
@@ -185,7 +199,7 @@ class Pipeline:
                 "surface's models.",
                 code="model_not_found",
             )
-        if self.gw.pauses.paused("model", served.name):
+        if self.runtime.paused("model", served.name):
             raise model_paused(served.name)
         return served
 
@@ -193,7 +207,7 @@ class Pipeline:
         """T1/T5: the caller, from the request head alone (no body byte read yet); a key
         refused here is refused before the body is read. A key with rate limits gets its
         counts on whatever answer follows (T3; once admitted, the counts after it)."""
-        caller = self.gw.caller(caller_key(scope), signed)
+        caller = self.runtime.caller(caller_key(scope), signed)
         self.check_key(caller)
         exchange = CURRENT.get()
         if exchange is not None:
@@ -202,13 +216,13 @@ class Pipeline:
         if exchange is not None and identity is not None and identity.limits is not None:
             asks = asks_of(identity, exchange.user)
             if asks:  # read only if it is answered before its limits count it
-                exchange.counts = self.gw.throttle.counts(asks)
+                exchange.counts = self.runtime.throttle.counts(asks)
         return caller
 
     def user_of(self, scope: Scope, caller: Caller) -> str | None:
         """T4: the user a key with `trustUserHeader` names in `auth.userHeader`; None for
         every other caller, whose user header is ignored (anybody can send one)."""
-        name = self.gw.callers.user_header
+        name = self.runtime.user_header()
         if name is None or not trusts_user(caller):
             return None
         raw = header(scope, name)
@@ -230,7 +244,9 @@ class Pipeline:
         if identity.allows(names_of(served)):
             return
         allowed = [
-            s.name for s in self.gw.served if not s.config.unlisted and identity.allows(names_of(s))
+            s.name
+            for s in self.runtime.served
+            if not s.config.unlisted and identity.allows(names_of(s))
         ]
         raise ApiError(
             403,
@@ -254,7 +270,7 @@ class Pipeline:
                 "key_expired",
                 type="authentication_error",
             )
-        if not caller.known and self.gw.config.scheduler.require_keys:
+        if not caller.known and self.runtime.config.scheduler.require_keys:
             raise ApiError(
                 401,
                 "This gateway serves only configured API keys (scheduler.requireKeys); send "
@@ -270,7 +286,6 @@ class Pipeline:
         inbound: Inbound,
         work: Work,
         watch: DisconnectWatch | None = None,
-        interrupted: Interrupted | None = None,
         waiting: Waiting | None = None,
     ) -> None:
         """Admit `inbound`, have `work` done on a ready backend, and account for it.
@@ -279,13 +294,13 @@ class Pipeline:
         or returns once the answer is over. A client gone (`watch`) is recorded as 499.
         With `waiting`, a request that waits is told why (K4) as its lane's `feedback`
         says."""
-        gw = self.gw
+        rt = self.runtime
         exchange = CURRENT.get()
         hop = exchange is not None and exchange.hop
         caller = exchange.caller if exchange is not None else None
         if caller is None:  # a surface without an exchange (realtime): judged here
-            caller = gw.caller(inbound.key, exchange.lane if exchange is not None else None)
-        known = gw.models.get(inbound.model)
+            caller = rt.caller(inbound.key, exchange.lane if exchange is not None else None)
+        known = rt.models.get(inbound.model)
         visit = Visit(
             caller.name,
             caller.group_name,
@@ -299,11 +314,17 @@ class Pipeline:
             visit.request_id = new_request_id()
         visit.stream = inbound.stream
         visit.user = exchange.user if exchange is not None else inbound.user
-        live = gw.live.enter(visit)
-        flight = _Flight(caller, visit, inbound, work, watch, interrupted, live, hop)
+        live = rt.live.enter(visit)
+        # The request's one record of why it stopped early, shared by whoever may stop
+        # it: its ticket (admission), its live entry (an operator), its client's watch.
+        stop = Stop(live.task)
+        live.stop = stop.cancel
+        if watch is not None:
+            watch.stop = stop
+        flight = _Flight(caller, visit, inbound, work, stop, live, hop)
         if waiting is not None:
             own = caller.group.feedback if caller.group else None
-            settings = gw.config.feedback.merged(own)
+            settings = rt.config.feedback.merged(own)
             if settings.enabled:
                 flight.narrator = Narrator(waiting, settings, visit.arrived_mono)
         try:
@@ -328,22 +349,21 @@ class Pipeline:
             raise
         finally:
             visit.queue_ms, visit.load_ms = flight.waited.queue_ms, flight.waited.load_ms
-            gw.live.leave(live)
-            gw.settle(visit)
+            rt.live.leave(live)
+            rt.settle(visit)
 
     async def run_http(
         self,
         inbound: Inbound,
         work: Work,
         watch: DisconnectWatch,
-        interrupted: Interrupted | None = None,
         feedback: SSEFeedback | None = None,
     ) -> None:
         """`run()` for an HTTP surface: once done, the client's disconnect is no longer
         watched; and a wait that fails after `feedback` opened the stream ends that stream
         with the surface's error event (a second response cannot be sent)."""
         try:
-            await self.run(inbound, work, watch, interrupted, feedback)
+            await self.run(inbound, work, watch, feedback)
         except ApiError as exc:
             if feedback is None or not feedback.opened:
                 raise
@@ -351,9 +371,13 @@ class Pipeline:
         finally:
             watch.close()
 
+    # -- the phases of one request, once past the gates --------------------------------
+
     async def _admit_and_work(self, served: ServedModel, flight: _Flight) -> None:
-        gw, caller, visit, inbound = self.gw, flight.caller, flight.visit, flight.inbound
-        tiers = served.tiers_for(caller.group, gw.placeable, flight.hop)
+        """limits and spend -> queue -> [load -> work | route again | requeue]... ; an
+        interrupt at any phase is read from the request's `Stop` (`_interrupted`)."""
+        rt, caller, visit, inbound = self.runtime, flight.caller, flight.visit, flight.inbound
+        tiers = served.tiers_for(caller.group, rt.placeable, flight.hop)
         identity = caller.identity
         # T3: the key's (and its user's) rate limits, held until the request is over,
         # whatever ends it (released in `finally`). In memory no coroutine of its own:
@@ -362,111 +386,139 @@ class Pipeline:
         if identity is not None and identity.limits is not None:
             got = self._rate_limits(flight, identity, tiers[0][0].config)
             limits = got if got is None or isinstance(got, Pass) else await got
-        admission = gw.admission
         ticket: Ticket | None = None
         try:
             key_limit = identity.spend_limit if identity is not None else None
-            over = await gw.ledger.reserve(visit, tiers[0][0].config, inbound.limit, key_limit)
+            over = await rt.ledger.reserve(visit, tiers[0][0].config, inbound.limit, key_limit)
             if over is not None:
                 raise spend_limited(over)
-            cause: Cause = (visit.key, caller.group_name, served.name)  # who pays a cold start
-            note = QueueNote(admission.core, tiers[0][0].id)
-            ticket = await flight.queued(
-                admission.acquire(
-                    caller.group_name, caller.group, tiers, inbound.session, note.queued
-                ),
-                note,
-            )
-            while True:
-                if gw.stale(ticket.route):
+            ticket = await self._queue(flight, tiers)
+            while ticket is not None:
+                flight.ticket = ticket
+                if rt.stale(ticket.route):
                     # P6: a reload removed or replaced the backend while this request
                     # waited for it (or for its cold start): route it again under the
                     # config now in force, its slot given back.
-                    admission.release(ticket)
-                    ticket = None
+                    rt.admission.release(ticket)
+                    ticket = flight.ticket = None
                     served = self.lookup(served.name, reloaded=True)
-                    tiers = served.tiers_for(caller.group, gw.placeable, flight.hop)
-                    if all(gw.stale(r) for tier in tiers for r in tier):
+                    tiers = served.tiers_for(caller.group, rt.placeable, flight.hop)
+                    if all(rt.stale(r) for tier in tiers for r in tier):
                         await ready(tiers[0][0])  # raises why (X4: every peer of it down)
-                    note = QueueNote(admission.core, tiers[0][0].id)
-                    ticket = await flight.queued(
-                        admission.acquire(
-                            caller.group_name, caller.group, tiers, inbound.session, note.queued
-                        ),
-                        note,
-                    )
+                    ticket = await self._queue(flight, tiers)
                     continue
-                visit.admitted_mono = visit.admitted_mono or time.monotonic()
-                visit.backend, visit.backend_id = ticket.route.config, ticket.route.id
-                visit.degraded = served.degraded(ticket.route)
-                visit.spilled = ticket.route not in tiers[0]
-                ticket.started = ticket.shielded = False
-                admitted = Admitted(served, caller, ticket, visit, flight.waited, flight.live)
-                try:
-                    if not ticket.route.endpoint.enter():  # else ready now: no wait to note
-                        flight.live.state = "loading"
-                        await flight.loading(
-                            enter_ready(ticket.route, cause), load_note(ticket.route, gw.config)
-                        )
-                    flight.live.state = "running"
-                    try:
-                        visit.status = await flight.work(admitted)
-                    finally:
-                        ticket.route.endpoint.leave()
-                    return
-                except ApiError as exc:
-                    if exc.code == RETIRED and gw.stale(ticket.route):
-                        continue  # nothing was sent: route it again (above)
-                    endpoint = ticket.route.endpoint
-                    if (
-                        isinstance(endpoint, PeerEndpoint)
-                        and exc.code in ("backend_error", "peer_down")
-                        and flight.peer_failures < MAX_PEER_FAILURES
-                    ):
-                        # X4: the peer's connection failed before it answered: down now,
-                        # and this request goes to another backend (above).
-                        flight.peer_failures += 1
-                        gw.nodes.suspect(endpoint.peer, exc.message)
-                        continue
-                    raise
-                except asyncio.CancelledError:
-                    if ticket.lost and not flight.client_gone() and _uncancel():
-                        ticket.lost = False
-                        if not (ticket.started and answer_begun() is not False):
-                            continue  # X4: nothing reached the client: route it again
-                        error = peer_down(ticket.route)
-                        visit.status, visit.error = error.status, f"{error.code}: {error.message}"
-                        if not ticket.shielded and flight.interrupted is not None:
-                            await flight.interrupted(admitted, error)
-                        return
-                    if flight.live.cancelled and not flight.client_gone() and _uncancel():
-                        return await flight.cancelled(admitted)
-                    if not (ticket.preempted and _uncancel()):
-                        raise
-                visit.preempted = True
-                if ticket.started:  # S4: the surface ends what it began, cleanly
-                    if flight.interrupted is not None:
-                        await flight.interrupted(admitted, PREEMPTED)
-                    return
-                # Only a delay for its client.
-                note = QueueNote(admission.core, ticket.route.id, ticket.id)
-                flight.live.state = "queued"
-                ticket = await flight.queued(admission.requeue(ticket, caller.group), note)
+                ticket = await self._work(served, flight, ticket, tiers)
         except Rejected as exc:
             raise too_many_requests(exc) from None
         except asyncio.CancelledError:
-            if flight.watch is not None and flight.watch.absorb():
+            why = flight.stop.absorb()
+            if why is None:
+                raise
+            if why.reason is Interrupt.CLIENT_GONE:
                 visit.status, visit.error = 499, "the client went away"
-                return  # the client left: its slot is free and its upstream request dropped
-            if flight.live.cancelled and _uncancel():
+                return  # its slot is free and its upstream request dropped
+            if why.reason is Interrupt.CANCELLED:
                 raise cancelled(flight.live) from None  # queued or loading: nothing sent
             raise
         finally:
+            ticket = flight.ticket
             tokens = visit.metered.tokens if visit.metered else 0
             if ticket is not None:
-                admission.release(ticket, tokens, gw.ledger.price(visit).cost_usd)
+                rt.admission.release(ticket, tokens, rt.ledger.price(visit).cost_usd)
             if limits is not None:
-                gw.throttle.release(limits, tokens)
+                rt.throttle.release(limits, tokens)
+
+    def _queue(self, flight: _Flight, tiers: Sequence[Sequence[Route]]) -> Awaitable[Ticket]:
+        """Queue: a slot on one backend of `tiers`, waiting for it as the lane says."""
+        caller, admission = flight.caller, self.runtime.admission
+        note = QueueNote(admission.core, tiers[0][0].id)
+        admit = admission.acquire(
+            caller.group_name, caller.group, tiers, flight.inbound.session, note.queued, flight.stop
+        )
+        return flight.queued(admit, note)
+
+    async def _work(
+        self, served: ServedModel, flight: _Flight, ticket: Ticket, tiers: Sequence[Sequence[Route]]
+    ) -> Ticket | None:
+        """Load, then work, on the admitted backend; None once the request is over, else
+        the ticket to go on with (routed again: P6, X4; requeued: S4)."""
+        rt, visit = self.runtime, flight.visit
+        route = ticket.route
+        visit.admitted_mono = visit.admitted_mono or time.monotonic()
+        visit.backend, visit.backend_id = route.config, route.id
+        visit.degraded = served.degraded(route)
+        visit.spilled = route not in tiers[0]
+        ticket.progress = Progress()
+        admitted = Admitted(served, flight.caller, ticket, visit, flight.waited, flight.live)
+        try:
+            endpoint = route.endpoint
+            if not endpoint.enter():  # else ready now: no wait to note
+                flight.live.state = "loading"
+                cause: Cause = (visit.key, flight.caller.group_name, served.name)  # who pays
+                await flight.loading(enter_ready(route, cause), load_note(route, rt.config))
+            flight.live.state = "running"
+            try:
+                visit.status = await flight.work(admitted)
+            finally:
+                endpoint.leave()
+            return None
+        except ApiError as exc:
+            if exc.code == RETIRED and rt.stale(route):
+                flight.stop.note(Interrupt.RETIRED, route.id)
+                flight.stop.clear()
+                return ticket  # nothing was sent: route it again
+            if (
+                isinstance(route.endpoint, PeerEndpoint)
+                and exc.code in ("backend_error", "peer_down")
+                and flight.peer_failures < MAX_PEER_FAILURES
+            ):
+                # X4: the peer's connection failed before it answered: down now, and this
+                # request goes to another backend.
+                flight.peer_failures += 1
+                rt.peer_failed(route, exc.message)
+                return ticket
+            if exc.code == "upstream_timeout":
+                flight.stop.note(Interrupt.UPSTREAM_TIMEOUT, route.id)
+            raise
+        except asyncio.CancelledError:
+            why = flight.stop.why
+            if why is None or why.reason is Interrupt.CLIENT_GONE:
+                raise  # the phase above ends it (499), or it was not ours to handle
+            if flight.stop.absorb() is None:
+                raise
+            return await self._interrupted(why, admitted, flight)
+
+    async def _interrupted(
+        self, why: Interruption, admitted: Admitted, flight: _Flight
+    ) -> Ticket | None:
+        """Interrupt handling, by the reason its stopper recorded: route it again or put
+        it back in its queue when nothing reached the client; else end the answer under
+        way in its dialect's shape, or cut it (a body that cannot end cleanly)."""
+        ticket, visit, progress = admitted.ticket, flight.visit, admitted.progress
+        nothing_sent = not progress.started or answer_begun() is False
+        if why.reason is Interrupt.PEER_DOWN:  # X4
+            if nothing_sent:
+                flight.stop.clear()
+                return ticket  # the route is stale now: routed again
+            error = peer_down(ticket.route)
+        elif why.reason is Interrupt.CANCELLED:  # O1
+            error = cancelled(flight.live)
+            if not progress.started or (progress.shielded and answer_begun() is False):
+                raise error  # nothing of the backend's answer reached the client
+        else:  # S4: preempted
+            visit.preempted = True
+            if not progress.started:  # only a delay for its client
+                note = QueueNote(self.runtime.admission.core, ticket.route.id, ticket.id)
+                flight.live.state = "queued"
+                requeue = self.runtime.admission.requeue(ticket, flight.caller.group)
+                return await flight.queued(requeue, note)
+            if progress.render is not None:  # the surface ends what it began, cleanly
+                await progress.render(PREEMPTED)
+            return None
+        visit.status, visit.error = error.status, f"{error.code}: {error.message}"
+        if progress.render is not None:
+            await progress.render(error)
+        return None
 
     def _rate_limits(
         self, flight: _Flight, identity: Identity, backend: Backend
@@ -477,8 +529,8 @@ class Pipeline:
         asks = asks_of(identity, flight.visit.user)
         if not asks:
             return None
-        throttle = self.gw.throttle
-        estimate = self.gw.ledger.costs.estimate_tokens(
+        throttle = self.runtime.throttle
+        estimate = self.runtime.ledger.costs.estimate_tokens(
             backend, flight.inbound.size, flight.inbound.limit
         )
         verdict = throttle.admit_now(asks, estimate)
@@ -493,36 +545,20 @@ class Pipeline:
 
 @dataclass(slots=True)
 class _Flight:
-    """One request on its way through `Pipeline.run`: who asked, what it waits for, and
-    what the surface does once it is admitted."""
+    """One request on its way through `Pipeline.run`: who asked, what it waits for, what
+    the surface does once it is admitted, and what stops it."""
 
     caller: Caller
     visit: Visit
     inbound: Inbound
     work: Work
-    watch: DisconnectWatch | None
-    interrupted: Interrupted | None
+    stop: Stop
     live: LiveRequest
     hop: bool = False  # it came from another gateway: never forwarded to a peer (X1)
     peer_failures: int = 0  # peers that failed it before answering (X4), each routed past
     narrator: Narrator | None = None
     waited: Waited = field(default_factory=Waited)
-
-    def client_gone(self) -> bool:
-        return self.watch is not None and self.watch.client_gone
-
-    async def cancelled(self, admitted: Admitted) -> None:
-        """O1: an operator cancelled it while it talked to its backend (whose request is
-        dropped with the task's cancel). An answer not begun is a 503 `cancelled`; a stream
-        under way ends with the surface's error event; a plain body under way is cut off
-        (returning unfinished makes the server close the connection)."""
-        error = cancelled(self.live)
-        ticket = admitted.ticket
-        if not ticket.started or (ticket.shielded and answer_begun() is False):
-            raise error  # nothing of the backend's answer reached the client
-        self.visit.status, self.visit.error = error.status, f"{error.code}: {error.message}"
-        if not ticket.shielded and self.interrupted is not None:
-            await self.interrupted(admitted, error)
+    ticket: Ticket | None = None  # the slot it holds now, released when it is over
 
     async def queued(self, admit: Awaitable[Ticket], note: Callable[[], str]) -> Ticket:
         began = time.monotonic()
@@ -624,12 +660,6 @@ async def enter_ready(route: Route, cause: Cause | None = None) -> None:
 # X4: a request is routed past this many peers whose connection failed before answering
 # (a peer that keeps failing so, yet whose events stream reconnects, must not spin it).
 MAX_PEER_FAILURES = 3
-
-
-def _uncancel() -> bool:
-    """Spend a cancel that was a preemption; True if no other cancel is pending."""
-    task = asyncio.current_task()
-    return task is not None and task.uncancel() == 0
 
 
 def _passed(identity: Identity, verdict: Pass | tuple[LimitRefused, Remaining]) -> Pass:

@@ -3,8 +3,8 @@
 A request `acquire()`s a ticket (admitted to one backend), does its work, and
 `release()`s it. Queued requests wait on a future the core's `Admit`s resolve, bounded by
 `maxWait`; a client that leaves withdraws. A `Preempt` decision cancels the victim's task
-with the ticket marked preempted; the victim's handler then requeues itself (nothing sent
-yet) or ends its stream at an event boundary (S4).
+with the ticket's interrupt set to `PREEMPTED` first; the victim's handler then
+requeues itself (nothing sent yet) or ends its stream at an event boundary (S4).
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ from corrallm.scheduler.core import (
     Scheduler,
 )
 from corrallm.scheduler.leases import Lease, Leases
+from corrallm.scheduler.ticket import Interrupt, Stop, Ticket
 
 log = logging.getLogger("corrallm.scheduler")
 
@@ -48,27 +49,6 @@ class Rejected(Exception):
         super().__init__(reason)
         self.decision = decision
         self.reason = reason
-
-
-@dataclass(slots=True)
-class Ticket:
-    id: int
-    group: str
-    route: Route
-    preemptible: bool
-    task: asyncio.Task[None] | None
-    preempted: bool = False
-    # Set by the relay: the answer has begun (`started`), and it is one that cannot end
-    # cleanly part-way (`shielded`: not a stream cut at event boundaries), so a
-    # preemption waits for it instead of cancelling it (S4).
-    started: bool = False
-    shielded: bool = False
-    # K6: the conversation it belongs to (served model, session key), remembered on the
-    # backend it is admitted to.
-    session: tuple[str, str] | None = None
-    # X4: its peer went down while it ran; the pipeline routes it again if nothing of the
-    # answer reached the client, else ends the answer with an error.
-    lost: bool = False
 
 
 @dataclass
@@ -117,6 +97,7 @@ class Admission:
         tiers: Sequence[Sequence[Route]],
         affinity: str | None = None,
         on_queued: Callable[[int], None] | None = None,
+        stop: Stop | None = None,
     ) -> Ticket:
         """A slot on one backend of `tiers`, waiting for it if the policy says so.
         `affinity`: the request's session key (K6); its conversation's last backend is
@@ -142,7 +123,9 @@ class Admission:
         if isinstance(decision, Preempt):
             self._preempt(decision.victim)
         interruptible = group is not None and group.interruptible
-        ticket = Ticket(request.id, group_name, tiers[0][0], interruptible, asyncio.current_task())
+        if stop is None:
+            stop = Stop(asyncio.current_task())
+        ticket = Ticket(request.id, group_name, tiers[0][0], interruptible, stop)
         ticket.session = session
         if isinstance(decision, Admit):
             return self._admitted(ticket, decision.backend)
@@ -160,17 +143,17 @@ class Admission:
 
     def evacuate(self, route_ids: set[str]) -> None:
         """X4: the requests running on these routes (a peer that went down) are cancelled,
-        marked lost; those queued there follow as their slots free (the pipeline sees the
-        route stale and routes them again)."""
+        their interrupt `PEER_DOWN`; those queued there follow as their slots free (the
+        pipeline sees the route stale and routes them again)."""
         for ticket in list(self._running.values()):
-            if ticket.route.id in route_ids and ticket.task is not None and not ticket.lost:
-                ticket.lost = True
-                ticket.task.cancel()
+            why = ticket.interrupt
+            if ticket.route.id in route_ids and (why is None or why.reason < Interrupt.PEER_DOWN):
+                ticket.stop.interrupt(Interrupt.PEER_DOWN, ticket.route.id)
 
     async def requeue(self, ticket: Ticket, group: PriorityGroup | None) -> Ticket:
         """A preempted request that sent nothing waits again, at the head of its queue."""
         self._running.pop(ticket.id, None)
-        ticket.preempted = False
+        ticket.stop.clear()
         backend = ticket.route.id
         self._dispatch(self.core.requeue(ticket.id, self.clock()))
         return await self._wait(ticket, group, backend)
@@ -291,8 +274,7 @@ class Admission:
         victim = self._running.get(victim_id)
         if victim is None or victim.shielded or victim.task is None:
             return  # it ends by itself; the hand-off admits the taker then
-        victim.preempted = True
-        victim.task.cancel()
+        victim.stop.interrupt(Interrupt.PREEMPTED)
 
     def _policy(self, group: PriorityGroup | None, backend_type: str) -> Policy:
         if group is None:

@@ -24,7 +24,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
-from corrallm.store.dialect import SQLITE, Dialect
+from corrallm.store.dialect import SQLITE, SqlDialect
 from corrallm.store.home import make_private, open_private
 from corrallm.store.schema import migrations
 
@@ -73,7 +73,7 @@ def newer_schema(where: object, found: int) -> RuntimeError:
 
 
 class Store:
-    dialect: Dialect = SQLITE
+    dialect: SqlDialect = SQLITE
     path: Path | str  # what messages call it: the file, or the URL without its password
 
     def __init__(self, path: Path) -> None:

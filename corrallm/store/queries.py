@@ -22,7 +22,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from corrallm.store.db import Store
-from corrallm.store.dialect import SQLITE, Dialect
+from corrallm.store.dialect import SQLITE, SqlDialect
 
 HOUR = 3600
 SUM_FIELDS = ("requests", "prompt_tokens", "completion_tokens", "bytes", "energy_wh", "cost_usd")
@@ -63,7 +63,7 @@ def whole_hours(since: float, until: float, bucket: int = HOUR) -> tuple[float, 
     return h0, h1
 
 
-def _union(table: str, rolled: str, raw: str, dialect: Dialect = SQLITE) -> str:
+def _union(table: str, rolled: str, raw: str, dialect: SqlDialect = SQLITE) -> str:
     """The rows to sum, as one subquery: rollup hours plus the raw rows at both ends.
 
     Parameters, in order: h0, h1, since, h0, h1, until."""

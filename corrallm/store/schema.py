@@ -2,7 +2,7 @@
 
 `SCHEMA[i]` takes a store from version i to i+1. Statements are written once in the SQL
 SQLite and PostgreSQL both accept (standard types: BIGINT, DOUBLE PRECISION, TEXT); the
-few spots that cannot be are `{fields}` the dialect fills in (`Dialect.fragments`: the
+few spots that cannot be are `{fields}` the dialect fills in (`SqlDialect.fragments`: the
 auto-numbered id, yes/no flags, SQLite's WITHOUT ROWID), and the one statement only one
 dialect has is wrapped in `Only` (SQLite's rollup trigger, which PostgreSQL stores never
 had: migration 5 dropped it before they existed). Every store runs the same numbered
@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from corrallm.store.dialect import Dialect
+from corrallm.store.dialect import SqlDialect
 
 
 @dataclass(frozen=True)
@@ -280,7 +280,7 @@ SCHEMA: Sequence[Sequence[Statement]] = (
 )
 
 
-def migrations(dialect: Dialect) -> tuple[tuple[str, ...], ...]:
+def migrations(dialect: SqlDialect) -> tuple[tuple[str, ...], ...]:
     """The migrations as `dialect` runs them: `[i]` takes version i to i+1."""
     fields = {
         **dialect.fragments(),

@@ -11,7 +11,7 @@ from corrallm.api import keys as api_keys
 from corrallm.api import service, usage
 from corrallm.config.schema import ANY_GPU
 from corrallm.gateway import Gateway
-from corrallm.proxy import audio
+from corrallm.proxy.dialects import audio
 
 SECTIONS = (
     "overview",

@@ -98,7 +98,8 @@ class Worker:
         ticket = await self.adm.acquire(self.lane, self.group, self.tiers)
         while True:
             self.ticket = ticket
-            ticket.started = ticket.shielded = self.shielded
+            if self.shielded:
+                ticket.progress.begin()  # a body under way that cannot be cut
             self.log.append(f"{self.name} admitted on {ticket.route.id}")
             try:
                 await self.finish.wait()

@@ -7,8 +7,8 @@ from typing import Any
 import orjson
 import pytest
 
-from corrallm.proxy.anthropic_stream import EventStream
-from corrallm.proxy.anthropic_translate import (
+from corrallm.proxy.dialects.anthropic_stream import EventStream
+from corrallm.proxy.dialects.anthropic_translate import (
     MAX_BLOCKS,
     error_body,
     error_shape,

@@ -13,7 +13,7 @@ from corrallm.config.schema import BackendConfig as Backend
 from corrallm.config.schema import Filters
 from corrallm.config.schema import ModelConfig as Model
 from corrallm.lifecycle.remote import RemoteEndpoint
-from corrallm.proxy.inference import upstream_body
+from corrallm.proxy.dialects.openai import upstream_body
 from corrallm.routing.filters import NO_FILTERS, filters_of
 from corrallm.routing.router import Route
 from corrallm.topology import build

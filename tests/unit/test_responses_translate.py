@@ -9,8 +9,8 @@ import pytest
 from openai.types.responses import Response, ResponseStreamEvent
 from pydantic import TypeAdapter
 
-from corrallm.proxy.responses_stream import StreamTranslator, encode
-from corrallm.proxy.responses_translate import (
+from corrallm.proxy.dialects.responses_stream import StreamTranslator, encode
+from corrallm.proxy.dialects.responses_translate import (
     MAX_INPUT_ITEMS,
     Echo,
     Refused,

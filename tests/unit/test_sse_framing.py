@@ -13,8 +13,9 @@ import orjson
 import pytest
 
 from corrallm.proxy.client import Client
-from corrallm.proxy.forward import Direct, DisconnectWatch, forward
+from corrallm.proxy.forward import Direct, DisconnectWatch
 from corrallm.proxy.metering import Meter, count_events, split_events
+from corrallm.proxy.relay import forward
 
 EVENT = b'data: {"choices":[{"delta":{"content":"x"}}]}'
 

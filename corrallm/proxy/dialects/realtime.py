@@ -125,10 +125,10 @@ async def _session(
     """One session through the pipeline: it holds a slot and counts in flight on its
     backend for its whole life, so no ttl reaper, eviction or unload takes the backend
     from under it (an unload drains it)."""
-    limits = pipeline.gw.config.realtime
+    limits = pipeline.runtime.config.realtime
 
     async def work(admitted: Admitted) -> int:
-        admitted.ticket.started = admitted.ticket.shielded = True  # never cut by preemption
+        admitted.progress.begin()  # a session is never cut by preemption
         route = admitted.route
         url = upstream_url(route.endpoint.base_url, "/v1/realtime").replace("http", "ws", 1)
         params = {"model": route.config.model or admitted.served.name}
@@ -148,7 +148,7 @@ async def _session(
             admitted.visit.metered = Metered(bytes_in=bytes_in[0])
 
     key = caller_key(scope)
-    user = pipeline.user_of(scope, pipeline.gw.caller(key))  # T4 (no exchange: judged here)
+    user = pipeline.user_of(scope, pipeline.runtime.caller(key))  # T4 (no exchange: judged here)
     inbound = Inbound(model, "/v1/realtime", key, 0, "realtime", user=user)
     await pipeline.run(inbound, work)
 

@@ -1,11 +1,11 @@
-"""The OpenAI HTTP surfaces: chat, completions, embeddings, rerank, speech and audio uploads
+"""The OpenAI dialect: chat, completions, embeddings, rerank, speech and audio uploads
 (SPEC §3, §8, §12).
 
-This module is a codec on the one pipeline (proxy/pipeline.py): it reads the request
-(parsed once, the model looked up in a prebuilt table by the pipeline), forwards it to
-the admitted backend with the model renamed and the token limit clamped, relays the
-answer chunk by chunk, and writes errors in the OpenAI shape. No blocking I/O, no config
-parsing.
+A codec on the one pipeline and the one relay (proxy/pipeline.py, proxy/relay.py): it
+reads the request (parsed once, the model looked up in a prebuilt table by the
+pipeline), has it forwarded to the admitted backend with the model renamed and the token
+limit clamped, and the answer relayed as it came (`relay.AsSent`); errors are
+OpenAI-shaped. No blocking I/O, no config parsing.
 """
 
 from __future__ import annotations
@@ -15,19 +15,13 @@ from typing import Any
 
 import orjson
 
-from corrallm.lifecycle.addresses import upstream_url
-from corrallm.proxy import jsonbody
+from corrallm.proxy import jsonbody, relay
 from corrallm.proxy.asgi import Receive, Scope, Send
 from corrallm.proxy.errors import ApiError, bad_request, quoted
-from corrallm.proxy.feedback import SSEFeedback
-from corrallm.proxy.forward import (
-    DisconnectWatch,
-    direct_writer,
-    forward,
-    stream_error,
-)
+from corrallm.proxy.feedback import openai_error_event
 from corrallm.proxy.metering import Meter, ask_for_usage
-from corrallm.proxy.pipeline import SURFACE_MODE, Admitted, Inbound, Pipeline, caller_key
+from corrallm.proxy.pipeline import SURFACE_MODE, Inbound, Pipeline, caller_key
+from corrallm.proxy.relay import AsSent, Codec
 from corrallm.routing.affinity import session_key
 from corrallm.routing.router import Route
 
@@ -139,64 +133,51 @@ def serve_parsed(
     """Admit, forward and meter one request whose model is known (the pipeline's
     coroutine, to await). A non-JSON body (an audio upload) has only `model` in `payload`
     and is forwarded byte for byte."""
-    path: str = scope["path"]
-    inbound = Inbound(
-        model,
-        path,
-        caller_key(scope),
-        len(body),
-        SURFACE_MODE.get(path),
-        limit,
-        # K6: a conversation's backend matters only where there is more than one.
-        session=session_key(scope["headers"], payload) if pipeline.has_choice(model) else None,
-        stream=payload.get("stream") is True,
+    return relay.serve(
+        pipeline, OpenAI(pipeline, scope, body, payload, model, limit), scope, receive, send
     )
-    strip_usage = ask_for_usage(path, payload)
-    # K4: a streamed request that waits is told why, on a stream opened early.
-    feedback = SSEFeedback(send) if payload.get("stream") is True else None
-    out = send if feedback is None else feedback.send
 
-    async def work(admitted: Admitted) -> int:
-        route, ticket, visit = admitted.route, admitted.ticket, admitted.visit
-        extra = [(b"x-corrallm-backend", route.id.encode())]
-        extra.extend(admitted.waited.raw())
-        if visit.degraded:
-            extra.append((b"x-corrallm-degraded", b"true"))
-        if path in UPLOAD_PATHS:
-            data = body  # no model rename or token clamp inside a multipart upload
-        else:
-            data = upstream_body(body, payload, route, force=strip_usage)
-        meter = admitted.live.meter = Meter(strip_usage)
-        url = upstream_url(route.endpoint.base_url, path)
-        try:
-            return await forward(
-                pipeline.upstream,
-                scope,
-                out,
-                url,
-                data,
-                admitted.upstream_headers(scope["headers"], url, scope["method"]),
-                extra,
-                watch,
-                route.id,
-                ticket,
-                meter,
-                idle_timeout=pipeline.gw.config.upstream_idle(route.config),
-                direct=direct,  # the feedback stream passes an SSE body on unchanged
-            )
-        finally:
-            visit.status = meter.status
-            visit.error = meter.error or visit.error  # the answer broke off: 502/504
-            visit.metered = meter.metered(len(body))
-            visit.ttfb_ms = meter.ttfb_ms()
 
-    async def interrupted(admitted: Admitted, error: ApiError) -> None:
-        # S4, O1: the stream so far is complete up to an event boundary; say why it ends.
-        await send({"type": "http.response.body", "body": stream_error(error)})
+class OpenAI:
+    """The OpenAI dialect (relay.Dialect): the request goes on with its model renamed and
+    its token limit clamped, the answer comes back as the backend sent it."""
 
-    watch = DisconnectWatch(receive, scope)
-    direct = direct_writer(scope) if inbound.stream else None
-    return pipeline.run_http(inbound, work, watch, interrupted, feedback)
+    __slots__ = ("body", "inbound", "path", "payload", "strip_usage")
+
+    direct = True  # a stream passes on unchanged: written from the upstream's callback
+    error_event = staticmethod(openai_error_event)
+
+    def __init__(
+        self,
+        pipeline: Pipeline,
+        scope: Scope,
+        body: bytes,
+        payload: dict[str, Any],
+        model: str,
+        limit: int | None,
+    ) -> None:
+        path: str = scope["path"]
+        self.path, self.body, self.payload = path, body, payload
+        self.inbound = Inbound(
+            model,
+            path,
+            caller_key(scope),
+            len(body),
+            SURFACE_MODE.get(path),
+            limit,
+            # K6: a conversation's backend matters only where there is more than one.
+            session=session_key(scope["headers"], payload) if pipeline.has_choice(model) else None,
+            stream=payload.get("stream") is True,
+        )
+        self.strip_usage = ask_for_usage(path, payload)
+
+    def upstream(self, route: Route) -> tuple[str, bytes]:
+        if self.path in UPLOAD_PATHS:
+            return self.path, self.body  # no model rename or token clamp in a multipart upload
+        return self.path, upstream_body(self.body, self.payload, route, force=self.strip_usage)
+
+    def answer(self, route: Route) -> Codec:
+        return AsSent(Meter(self.strip_usage))
 
 
 __all__ = ["ApiError", "serve"]

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from corrallm.proxy.anthropic_translate import (
+from corrallm.proxy.dialects.anthropic_translate import (
     event,
     stop_reason,
     usage_of,

@@ -10,7 +10,7 @@ from typing import Any
 
 import orjson
 
-from corrallm.proxy.responses_translate import (
+from corrallm.proxy.dialects.responses_translate import (
     Echo,
     call_item,
     message_item,

@@ -15,8 +15,8 @@ import orjson
 
 from corrallm.gateway import Gateway
 from corrallm.proxy.asgi import Receive, Scope, Send, header, send_bytes
+from corrallm.proxy.dialects.openai import serve_parsed
 from corrallm.proxy.errors import bad_request
-from corrallm.proxy.inference import serve_parsed
 from corrallm.proxy.pipeline import Pipeline, modes_of, offered
 from corrallm.routing.router import ServedModel
 
