@@ -106,6 +106,7 @@ def test_P1_F3_pause_unloads_and_answers_503_paused_without_retry_after(gw):
     assert chat(gw, "m").status_code == 200
 
 
+@pytest.mark.serve_process
 def test_P1_C5_pauses_survive_a_restart_and_keep_a_pinned_model_from_preloading(gateway_factory):
     first = gateway_factory(CONFIG)
     wait_for(lambda: first.state("pinned#0") == "ready", 20, what="preload")
@@ -205,10 +206,9 @@ def test_openapi_document_lists_the_management_endpoints(gw):
 def test_fault9_P6_a_reload_of_a_vanished_config_names_the_file_and_keeps_the_old(gw):
     """Before: the refusal said only '(file): cannot read the config: No such file or
     directory', naming no file."""
-    from pathlib import Path
 
     assert chat(gw, "m").status_code == 200
-    config = Path(gw.proc.args[gw.proc.args.index("--config") + 1])
+    config = gw.config_path
     config.unlink()
     refused = gw.api("POST", "config/reload")
     assert refused.status_code == 400
