@@ -111,7 +111,9 @@ def start_in_process(
     config_path.write_text(config_text)
     home = home or tmp / "home"
     port = port or free_port()
-    gateway = InProcessGateway(f"http://127.0.0.1:{port}", home, tmp / f"corrallm-{port}.log")
+    gateway = InProcessGateway(
+        f"http://127.0.0.1:{port}", home, tmp / f"corrallm-{port}.log", config_path=config_path
+    )
     _claim(gateway)
     try:
         with _LOCK:
