@@ -27,8 +27,16 @@ MORE_SECTIONS = re.compile(r"(?<=[\s,(])§(\d+)")
 NAME_ID = re.compile(rf"^[{LETTERS}][1-9]$")
 
 
+# Where the code is: Python read through its tokenizer; the dashboard's templates, scripts
+# and styles, and the packaged config, read whole (their comments are mixed with the rest).
+FOLDERS = ("corrallm", "tests", "bench", "examples", "scripts")
+TEXTS = ("*.html", "*.js", "*.css", "*.yaml")
+
+
 def sources() -> list[Path]:
-    return sorted([*(ROOT / "corrallm").rglob("*.py"), *(ROOT / "tests").rglob("*.py")])
+    found = [path for folder in FOLDERS for path in (ROOT / folder).rglob("*.py")]
+    found += [path for pattern in TEXTS for path in (ROOT / "corrallm").rglob(pattern)]
+    return sorted(found)
 
 
 def cited(path: Path) -> tuple[set[str], set[str]]:
@@ -36,15 +44,22 @@ def cited(path: Path) -> tuple[set[str], set[str]]:
     ids: set[str] = set()
     sections: set[str] = set()
     text = path.read_text()
+    if path.suffix != ".py":
+        return set(TEXT_ID.findall(text)), _sections(text)
     for token in tokenize.generate_tokens(io.StringIO(text).readline):
         if token.type in (tokenize.COMMENT, tokenize.STRING):
             ids.update(TEXT_ID.findall(token.string))
-            if SECTION.search(token.string):
-                sections.update(SECTION.findall(token.string))
-                sections.update(MORE_SECTIONS.findall(token.string))
+            sections.update(_sections(token.string))
         elif token.type == tokenize.NAME and token.string.startswith("test_"):
             ids.update(name_ids(token.string))
     return ids, sections
+
+
+def _sections(text: str) -> set[str]:
+    """`SPEC §9 C1, C3, §10 P4` -> 9, 10 (a bare § only where SPEC § is cited too)."""
+    if not SECTION.search(text):
+        return set()
+    return {*SECTION.findall(text), *MORE_SECTIONS.findall(text)}
 
 
 def name_ids(name: str) -> list[str]:
