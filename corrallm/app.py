@@ -101,8 +101,13 @@ class CorrallmApp:
         admin_token: str,
         web_root: Path | None = None,
         body_limits: BodyLimits | None = None,
+        *,
+        owns_process: bool = True,
     ) -> None:
         self.gateway = gateway
+        # False when the process is not the gateway's alone (tests serving it from a
+        # thread): no SIGHUP handler, the garbage collector's settings left alone.
+        self._owns_process = owns_process
         self.pipeline = Pipeline(gateway)
         self._admin_token = admin_token
         gateway.captures.also_redact(admin_token)  # T5: never shown in a capture or the log
@@ -340,8 +345,9 @@ class CorrallmApp:
                     log.exception("startup failed")
                     await send({"type": "lifespan.startup.failed", "message": str(exc)})
                     return
-                _reload_on_sighup(self.gateway)
-                _settle_garbage_collector()
+                if self._owns_process:
+                    _reload_on_sighup(self.gateway)
+                    _settle_garbage_collector()
                 await send({"type": "lifespan.startup.complete"})
             elif message["type"] == "lifespan.shutdown":
                 try:

@@ -47,8 +47,36 @@ def parse_addr(addr: str) -> tuple[str, int]:
     return host, int(port)
 
 
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s %(message)s"
+
+
+@dataclass(frozen=True)
+class Served:
+    """A gateway ready to serve: the uvicorn server that runs it (`server.run()` blocks
+    until it stops), the gateway, and the filter every handler of its log must carry (T5:
+    the admin token, peer tokens and env values replaced as they are written)."""
+
+    server: uvicorn.Server
+    gateway: Gateway
+    redactor: Redactor
+
+
 def run(config: Config, options: ServeOptions) -> None:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    """`corrallm serve`: the whole process is the gateway's (root logging, SIGHUP, SIGTERM
+    and SIGINT, the garbage collector's settings)."""
+    logging.basicConfig(level=logging.INFO, format=LOG_FORMAT)
+    served = build(config, options)
+    # T5: uvicorn's Config has set up its loggers; from here on, every handler of the
+    # gateway's log replaces the admin token, peer tokens and env values as it writes.
+    install(served.redactor)
+    served.server.run()
+
+
+def build(config: Config, options: ServeOptions, *, owns_process: bool = True) -> Served:
+    """The gateway, its app and its uvicorn server, as `corrallm serve` runs them.
+    `owns_process=False` (a gateway run in a thread of a process that is not its own, as
+    the tests do): no SIGHUP handler and the garbage collector left as it is; uvicorn
+    itself listens to signals only from the main thread."""
     host, port = parse_addr(options.addr)
     fd_limit = raise_fd_limit()
     try:
@@ -94,7 +122,7 @@ def run(config: Config, options: ServeOptions) -> None:
         format_size(event_buffer),
     )
     uvicorn_config = uvicorn.Config(
-        CorrallmApp(gateway, token, options.web_root, bodies),
+        CorrallmApp(gateway, token, options.web_root, bodies, owns_process=owns_process),
         host=host,
         port=port,
         loop="uvloop",
@@ -114,7 +142,5 @@ def run(config: Config, options: ServeOptions) -> None:
         log_level="info",
         timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_SECONDS,
     )
-    # T5: uvicorn's Config has set up its loggers; from here on, every handler of the
-    # gateway's log replaces the admin token, peer tokens and env values as it writes.
-    install(Redactor(lambda: gateway.captures.secrets.texts))
-    uvicorn.Server(uvicorn_config).run()
+    redactor = Redactor(lambda: gateway.captures.secrets.texts)
+    return Served(uvicorn.Server(uvicorn_config), gateway, redactor)

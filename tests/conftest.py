@@ -7,29 +7,54 @@ import pytest
 
 from tests.support.calls import Call
 from tests.support.clients import close_all
+from tests.support.inprocess import InProcessGateway, start_in_process
 from tests.support.postgres import postgres_cluster, postgres_url  # noqa: F401 (fixtures)
 from tests.support.processes import (
     FakeBackend,
     Gateway,
+    GatewayClient,
     cleanup,
     running_fake_backend,
     start_gateway,
 )
 
+# What a gateway must be a `corrallm serve` process for: the environment it reads at start,
+# or a test that looks at the process itself (signals, exit, fds).
+_PROCESS_ONLY = ("env", "wait")
+
 
 @pytest.fixture
-def gateway_factory(tmp_path: Path) -> Iterator[Callable[..., Gateway]]:
-    """Start `corrallm serve` with a config text; every one started is cleaned up."""
-    started: list[Gateway] = []
+def gateway_factory(
+    tmp_path: Path, request: pytest.FixtureRequest
+) -> Iterator[Callable[..., GatewayClient]]:
+    """Start a gateway with a config text; every one started is stopped at the end.
 
-    def start(config_text: str, **kwargs: object) -> Gateway:
-        gateway = start_gateway(config_text, tmp_path, **kwargs)  # type: ignore[arg-type]
+    Served in process (`tests/support/inprocess.py`) unless the test is marked
+    `serve_process`, or passes `process=True` or what only a process takes (`env`,
+    `wait=False`): then a `corrallm serve` subprocess (`tests/support/processes.py`)."""
+    started: list[GatewayClient] = []
+    # A browser test keeps the gateway a process: Playwright's sync API runs an event loop
+    # of its own in the test's thread, beside the dashboard's long-lived streams.
+    marked = request.node.get_closest_marker("serve_process") is not None or (
+        "browser" in request.fixturenames
+    )
+
+    def start(config_text: str, *, process: bool = False, **kwargs: object) -> GatewayClient:
+        gateway: GatewayClient
+        if process or marked or any(k in kwargs for k in _PROCESS_ONLY):
+            gateway = start_gateway(config_text, tmp_path, **kwargs)  # type: ignore[arg-type]
+        else:
+            gateway = start_in_process(config_text, tmp_path, **kwargs)  # type: ignore[arg-type]
         started.append(gateway)
         return gateway
 
     yield start
-    for gateway in started:
-        cleanup(gateway)
+    for gateway in reversed(started):
+        if isinstance(gateway, InProcessGateway):
+            gateway.stop()
+        else:
+            assert isinstance(gateway, Gateway)
+            cleanup(gateway)
 
 
 @pytest.fixture

@@ -15,6 +15,7 @@ import strawberry.experimental.pydantic as sp
 from pydantic import BaseModel
 from strawberry.asgi import GraphQL
 from strawberry.scalars import JSON
+from strawberry.schema.config import StrawberryConfig
 from strawberry.types import Info
 
 from corrallm.api import keys, schemas, service, usage
@@ -24,8 +25,12 @@ from corrallm.http.errors import ApiError
 
 _TYPES: dict[type[BaseModel], type] = {}
 
-BigInt = strawberry.scalar(
-    typing.NewType("BigInt", int),
+# An integer that may pass 2^31 (GraphQL's Int is 32-bit): sizes in bytes. Mapped to its
+# scalar in the schema's config (`scalar_map`; a class passed to `strawberry.scalar` is
+# deprecated).
+BigInt = typing.NewType("BigInt", int)
+_BIG_INT = strawberry.scalar(
+    name="BigInt",
     description="An integer that may pass 2^31 (GraphQL's Int is 32-bit): sizes in bytes.",
     serialize=int,
     parse_value=int,
@@ -453,7 +458,9 @@ class Mutation:
     )
 
 
-SCHEMA = strawberry.Schema(query=Query, mutation=Mutation)
+SCHEMA = strawberry.Schema(
+    query=Query, mutation=Mutation, config=StrawberryConfig(scalar_map={BigInt: _BIG_INT})
+)
 
 
 def sdl() -> str:

@@ -86,6 +86,52 @@ class Unexpected:
 REFS = "#/components/schemas/"
 
 
+# What clients send a JSON body as when they are not told otherwise: curl's `-d` says
+# `application/x-www-form-urlencoded`, some scripts `text/plain`.
+_READ_AS_JSON = (b"application/x-www-form-urlencoded", b"text/plain")
+JSON_HINT = (
+    "the management API takes a JSON object as its body: send it with "
+    "'Content-Type: application/json' (curl -H 'Content-Type: application/json' -d '{...}')"
+)
+
+
+class FormAsJson:
+    """Every body this API takes is a JSON object, so one sent with a form's or plain
+    text's content type, or none (`curl -d '{"model": "m"}'` without a header), is read as
+    JSON;
+    one that is not JSON is refused with JSON_HINT (see `invalid` below)."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["method"] != "GET":
+            scope = {**scope, "headers": _as_json(scope["headers"])}
+        await self.app(scope, receive, send)
+
+
+def _as_json(headers: list[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:
+    """`headers` with a form's, plain text's or no content type said to be JSON."""
+    for i, (name, value) in enumerate(headers):
+        if name == b"content-type":
+            if value.split(b";")[0].strip().lower() not in _READ_AS_JSON:
+                return headers
+            return [*headers[:i], (name, b"application/json"), *headers[i + 1 :]]
+    return [*headers, (b"content-type", b"application/json")]
+
+
+def _not_json(request: Request, exc: RequestValidationError) -> str | None:
+    """The message for a body that is not a JSON object, else None."""
+    for e in exc.errors():
+        if e["type"] == "json_invalid":
+            return f"the body is not valid JSON ({e['msg']}); {JSON_HINT}."
+        if tuple(e["loc"]) == ("body",) and e["type"] in ("model_attributes_type", "dict_type"):
+            sent = request.headers.get("content-type", "no Content-Type").split(";")[0]
+            if "json" not in sent:
+                return f"the body came as {sent}, not JSON; {JSON_HINT}."
+    return None
+
+
 def build_rest(gw: Gateway) -> FastAPI:
     app = FastAPI(
         title="corrallm management API",
@@ -96,6 +142,7 @@ def build_rest(gw: Gateway) -> FastAPI:
         responses=schemas.ERRORS,
     )
 
+    app.add_middleware(FormAsJson)
     app.add_middleware(Unexpected)
 
     @app.exception_handler(ApiError)
@@ -112,7 +159,10 @@ def build_rest(gw: Gateway) -> FastAPI:
         )
 
     @app.exception_handler(RequestValidationError)
-    async def invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
+    async def invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+        not_json = _not_json(request, exc)
+        if not_json is not None:
+            return error(400, f"Invalid request: {not_json}", "invalid_request")
         problems = "; ".join(
             f"{'.'.join(str(p) for p in e['loc'] if p != 'body') or 'body'}: {e['msg']}"
             for e in exc.errors()

@@ -1,6 +1,6 @@
 """A served model's request filters (SPEC §16 K5), made once per config from its `filters`
 and its aliases' own `setParams`, and applied to each request after routing, before
-forwarding (by `proxy/inference.py`'s `upstream_body`, which every dialect's codec calls
+forwarding (by `proxy/dialects/openai.py`'s `upstream_body`, which every dialect's codec calls
 for its upstream payload).
 
 The order, for a request that named the model by `requested`:

@@ -97,7 +97,7 @@ def test_serve_without_a_config_runs_the_packaged_demo(tmp_path: Path):
             stderr=subprocess.STDOUT,
             start_new_session=True,
         )
-    gw = Gateway(proc, f"http://127.0.0.1:{port}", tmp_path / "home", log)
+    gw = Gateway(f"http://127.0.0.1:{port}", tmp_path / "home", log, proc=proc)
     try:
         wait_healthy(gw)
         with openai.OpenAI(base_url=gw.v1, api_key="none", max_retries=0, timeout=30) as client:

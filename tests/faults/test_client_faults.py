@@ -388,6 +388,7 @@ def fill(folder: Path) -> Path:
     return filler
 
 
+@pytest.mark.serve_process
 def test_store_disk_full_while_serving_requests_are_served_and_rows_catch_up(
     small_disk: Path, gateway_factory: Callable[..., Gateway]
 ) -> None:

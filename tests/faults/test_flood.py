@@ -19,6 +19,7 @@ from pathlib import Path
 
 import httpx
 import orjson
+import pytest
 
 from tests.support.observe import RawClient, rss_mb
 from tests.support.processes import Gateway, fake_cmd, wait_for
@@ -115,6 +116,7 @@ def flushed(gw: Gateway, probes: int) -> None:
     wait_for(written, 15, what=f"{probes} probe rows written")
 
 
+@pytest.mark.serve_process
 def test_T5_a_flood_of_made_up_names_and_keys_grows_no_state(gateway_factory):
     gw = gateway_factory(CONFIG)
     pid = gw.proc.pid

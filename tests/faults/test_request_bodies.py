@@ -17,6 +17,7 @@ from pathlib import Path
 
 import httpx
 import orjson
+import pytest
 
 from tests.support.processes import FakeBackend, Gateway, start_fake_backend, wait_for
 
@@ -132,6 +133,7 @@ def big_chat(size: int) -> bytes:
     return orjson.dumps({**CHAT, "messages": [{"role": "user", "content": "x" * size}]})
 
 
+@pytest.mark.serve_process
 def test_T5_body_bytes_held_at_once_are_bounded_and_given_back(
     gateway_factory: Callable[..., Gateway], tmp_path: Path
 ) -> None:

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import httpx
 import psutil
+import pytest
 
 from tests.support.processes import group_alive, process_gone, wait_for
 
@@ -59,6 +60,7 @@ def chat(gateway) -> httpx.Response:
     return httpx.post(gateway.v1 + "/chat/completions", json=CHAT, timeout=30)
 
 
+@pytest.mark.serve_process
 def test_fault_readopted_backend_survives_its_first_log_line(gateway_factory, tmp_path):
     cmd = sigpipe_backend(tmp_path)
     first = gateway_factory(config(cmd))

@@ -159,6 +159,7 @@ def test_F_slowloris_100_connections_a_normal_request_is_answered_and_they_time_
     assert r.status_code == 200
 
 
+@pytest.mark.serve_process
 def test_F_header_timeout_counts_per_head_not_idle_keepalive_nor_slow_answers(
     gateway_factory: Callable[..., Gateway], tmp_path: Path
 ) -> None:
@@ -234,7 +235,7 @@ def start_limited_gateway(config_text: str, tmp: Path, nofile: int) -> Gateway:
             start_new_session=True,
             preexec_fn=limit,  # only setrlimit, before exec
         )
-    gw = Gateway(proc, f"http://127.0.0.1:{port}", tmp / "home", log_path)
+    gw = Gateway(f"http://127.0.0.1:{port}", tmp / "home", log_path, proc=proc)
     try:
         wait_healthy(gw)
     except BaseException:
@@ -302,6 +303,7 @@ def stream_endless_header(port: int, limit: int, chunk: int, out: dict[str, obje
     out.update(answer=answer, eof=eof, sent=sent)
 
 
+@pytest.mark.serve_process
 def test_F_oversized_header_gets_431_and_memory_stays_flat(
     gateway_factory: Callable[..., Gateway], fake_backend: FakeBackend
 ) -> None:

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import httpx
 import psutil
+import pytest
 
 from tests.support.processes import Gateway
 
@@ -72,6 +73,7 @@ def read_to_end(sock: socket.socket, within: float) -> tuple[bytes, bool]:
     return head + b"..." + tail, closed
 
 
+@pytest.mark.serve_process
 def test_T5_a_subscriber_that_stops_reading_is_cut_with_overflow_and_memory_stays_bounded(
     gateway_factory: Callable[..., Gateway], tmp_path: Path
 ) -> None:

@@ -341,9 +341,10 @@ def settle(gw: Gateway) -> None:
 
 
 def config_file(gw: Gateway) -> Path:
-    return Path(gw.proc.args[gw.proc.args.index("--config") + 1])  # type: ignore[index]
+    return gw.config_path
 
 
+@pytest.mark.serve_process
 @pytest.mark.timeout(int(SOAK_SECONDS) + CLIENT_TIMEOUT + 150)
 def test_soak_mixed_traffic_with_reload_and_evictions_leaks_nothing(
     gateway_factory: Callable[..., Gateway],

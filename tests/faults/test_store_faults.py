@@ -78,6 +78,7 @@ def paused(gw, name: str = "m") -> bool:
     return bool(model["paused"])
 
 
+@pytest.mark.serve_process
 def test_fault8_C5_P1_a_pause_the_full_store_cannot_keep_is_a_503_and_changes_nothing(
     gateway_factory, small_disk, tmp_path
 ):

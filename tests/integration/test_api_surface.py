@@ -7,7 +7,6 @@ import subprocess
 import sys
 import threading
 import time
-from pathlib import Path
 
 import httpx
 import orjson
@@ -218,7 +217,7 @@ def test_D1_P6_economics_counts_wakes_and_sleeps_after_a_reload_and_rows_new_bac
     before = _rows(gw.api("GET", "economics").json())
     assert (before["m#0"]["wakes"], before["m#0"]["sleeps"]) == (1, 1)
 
-    config = Path(gw.proc.args[gw.proc.args.index("--config") + 1])
+    config = gw.config_path
     config.write_text(RELOADED)
     reloaded = gw.api("POST", "config/reload")
     assert reloaded.status_code == 200, reloaded.text

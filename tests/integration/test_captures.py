@@ -9,6 +9,7 @@ import threading
 
 import httpx
 import psutil
+import pytest
 
 from tests.support.processes import fake_cmd, wait_for
 
@@ -185,6 +186,7 @@ def test_O2_each_side_is_cut_at_64KB_with_truncated_flags(gateway_factory):
     assert row["truncated"] == {"request": True, "response": True}
 
 
+@pytest.mark.serve_process
 def test_O2_bodies_all_stays_under_its_bound_over_2000_requests(gateway_factory):
     gw = gateway_factory(config("all", mb=1))
     proc = psutil.Process(gw.proc.pid)

@@ -244,6 +244,7 @@ def test_D1_economics_counts_wakes_and_sleeps_into_the_store(gw, signed_in):
     assert rows[0]["wake_seconds_last"] >= 0.2  # the fake backend's load time
 
 
+@pytest.mark.serve_process
 def test_D1_C5_economics_counters_survive_a_restart(gateway_factory, tmp_path, signed_in):
     from tests.support.processes import cleanup
 
@@ -359,6 +360,7 @@ def test_X6_nodes_section_says_plainly_when_no_peer_is_configured(gw, signed_in)
     assert '<section id="nodes"' in signed_in(gw).get("/").text
 
 
+@pytest.mark.serve_process
 def test_X6_nodes_section_shows_a_peer_up_with_its_models_then_down(
     gateway_factory, tmp_path, signed_in
 ):

@@ -189,6 +189,7 @@ def test_T2_names_in_use_config_keys_unknown_names_and_bad_fields_are_refused(gw
     assert set(listed(gw)) == {"alice", SHORT, "bob"}
 
 
+@pytest.mark.serve_process
 def test_T2_keys_made_through_the_api_and_their_last_use_survive_a_restart(start, tmp_path):
     home = tmp_path / "home"
     first = start(home=home)

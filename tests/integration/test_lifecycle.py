@@ -12,6 +12,7 @@ import time
 
 import httpx
 import psutil
+import pytest
 
 from tests.support.processes import (
     fake_cmd,
@@ -53,6 +54,7 @@ def test_L1_cold_request_waits_for_the_real_health_check(gateway_factory):
     assert "ready in" in log
 
 
+@pytest.mark.serve_process
 def test_L1_a_backend_port_that_is_corrallms_own_fails_the_start_instead_of_looping(
     gateway_factory,
 ):
@@ -135,6 +137,7 @@ def test_L3_failed_starts_back_off_before_the_next_try(gateway_factory):
     )
 
 
+@pytest.mark.serve_process
 def test_L5_shutdown_stops_every_backend_it_started(gateway_factory):
     config = f"""
 models:
@@ -155,6 +158,7 @@ models:
     assert gw.records() == {}
 
 
+@pytest.mark.serve_process
 def test_L5_sigint_stops_backends_too(gateway_factory):
     gw = gateway_factory(one_model(fake_cmd()))
     assert httpx.post(gw.v1 + "/chat/completions", json=CHAT, timeout=30).status_code == 200
@@ -164,6 +168,7 @@ def test_L5_sigint_stops_backends_too(gateway_factory):
     assert not group_alive(pgid)
 
 
+@pytest.mark.serve_process
 def test_L5_restart_after_crash_readopts_a_healthy_recorded_backend(gateway_factory, tmp_path):
     config = one_model(fake_cmd())
     first = gateway_factory(config)
@@ -183,6 +188,7 @@ def test_L5_restart_after_crash_readopts_a_healthy_recorded_backend(gateway_fact
     assert process_gone(pid)
 
 
+@pytest.mark.serve_process
 def test_L5_restart_kills_a_recorded_backend_whose_health_does_not_answer(gateway_factory):
     config = one_model(fake_cmd())
     first = gateway_factory(config)
@@ -258,6 +264,7 @@ models:
     assert log.count("starting: ") == 1
 
 
+@pytest.mark.serve_process
 def test_M4_an_adopted_backend_is_probed_and_failed_when_it_stops_answering(gateway_factory):
     config = one_model(fake_cmd(), health={"interval": "0.5s", "failures": 2})
     first = gateway_factory(config)

@@ -286,6 +286,7 @@ def test_R2_two_llama_servers_that_do_not_fit_together_evict_each_other(
 # --- L5: SIGTERM leaves no llama-server behind -----------------------------------------------
 
 
+@pytest.mark.serve_process
 def test_L5_sigterm_stops_corrallm_and_every_llama_server_it_started(
     gateway_factory: Factory, tiny_model: Path
 ) -> None:

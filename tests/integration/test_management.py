@@ -106,6 +106,7 @@ def test_P1_F3_pause_unloads_and_answers_503_paused_without_retry_after(gw):
     assert chat(gw, "m").status_code == 200
 
 
+@pytest.mark.serve_process
 def test_P1_C5_pauses_survive_a_restart_and_keep_a_pinned_model_from_preloading(gateway_factory):
     first = gateway_factory(CONFIG)
     wait_for(lambda: first.state("pinned#0") == "ready", 20, what="preload")
@@ -205,10 +206,9 @@ def test_openapi_document_lists_the_management_endpoints(gw):
 def test_fault9_P6_a_reload_of_a_vanished_config_names_the_file_and_keeps_the_old(gw):
     """Before: the refusal said only '(file): cannot read the config: No such file or
     directory', naming no file."""
-    from pathlib import Path
 
     assert chat(gw, "m").status_code == 200
-    config = Path(gw.proc.args[gw.proc.args.index("--config") + 1])
+    config = gw.config_path
     config.unlink()
     refused = gw.api("POST", "config/reload")
     assert refused.status_code == 400
@@ -224,3 +224,37 @@ def test_fault9_P6_a_reload_of_a_vanished_config_names_the_file_and_keeps_the_ol
         "one",
         "two",
     ]
+
+
+def _post_raw(gw, path: str, body: bytes, content_type: str | None) -> httpx.Response:
+    headers = {"Authorization": f"Bearer {gw.token}"}
+    if content_type is not None:
+        headers["Content-Type"] = content_type
+    return httpx.post(f"{gw.url}/api/v1/{path}", content=body, headers=headers, timeout=60)
+
+
+@pytest.mark.parametrize("content_type", ["application/x-www-form-urlencoded", "text/plain", None])
+def test_P1_a_json_body_sent_as_a_form_as_curl_d_does_is_read_as_json(gw, content_type):
+    """`curl -d '{"model": "m"}'` says application/x-www-form-urlencoded: before, the pause
+    was refused with 'body: Input should be a valid dictionary', not saying why."""
+    paused = _post_raw(gw, "models/pause", b'{"model": "m", "until": "2h"}', content_type)
+    assert paused.status_code == 200, paused.text
+    assert paused.json()["paused"] is True and paused.json()["paused_until"]
+
+
+@pytest.mark.parametrize(
+    ("body", "content_type", "said"),
+    [
+        (b"model=m", "application/x-www-form-urlencoded", "not valid JSON"),
+        (b"model=m", "application/json", "not valid JSON"),
+        (b"--x\r\n", "multipart/form-data; boundary=x", "came as multipart/form-data, not JSON"),
+    ],
+)
+def test_P1_a_body_that_is_not_json_is_refused_saying_what_to_send(gw, body, content_type, said):
+    refused = _post_raw(gw, "models/pause", body, content_type)
+    assert refused.status_code == 400
+    error = refused.json()["error"]
+    assert error["code"] == "invalid_request"
+    assert said in error["message"]
+    assert "send it with 'Content-Type: application/json'" in error["message"]
+    assert gw.api("GET", "overview").json()["models"][0]["paused"] is False

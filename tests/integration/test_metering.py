@@ -129,6 +129,7 @@ def test_S6_a_lane_over_its_spend_limit_gets_429_and_others_are_unaffected(gw):
     assert lanes["coders"]["spend_usd_window"] == 0  # no spendLimit: no window
 
 
+@pytest.mark.serve_process
 def test_S6_C5_spend_in_the_window_survives_a_restart(gateway_factory, fake_backend):
     text = CONFIG.format(local=fake_cmd(), paid_port=fake_backend.port)
     first = gateway_factory(text)
@@ -140,6 +141,7 @@ def test_S6_C5_spend_in_the_window_survives_a_restart(gateway_factory, fake_back
     assert refused.status_code == 429 and refused.json()["error"]["code"] == "spend_limit"
 
 
+@pytest.mark.serve_process
 def test_C3_activity_survives_a_restart_and_a_kill_9(gateway_factory, fake_backend):
     text = CONFIG.format(local=fake_cmd("--tokens", "3"), paid_port=fake_backend.port)
     first = gateway_factory(text)

@@ -9,6 +9,7 @@ import signal
 from pathlib import Path
 
 import httpx
+import pytest
 
 from tests.support.processes import fake_cmd, process_gone, wait_for
 
@@ -32,7 +33,7 @@ def chat(gw, model: str) -> httpx.Response:
 
 
 def config_file(gw) -> Path:
-    return Path(gw.proc.args[gw.proc.args.index("--config") + 1])
+    return gw.config_path
 
 
 def test_P6_reload_keeps_unchanged_restarts_changed_stops_removed_adds_new(gateway_factory):
@@ -82,6 +83,7 @@ def test_P6_a_bad_config_is_refused_with_every_problem_and_the_old_stays(gateway
     assert chat(gw, "keep").status_code == 200 and chat(gw, "drop").status_code == 200
 
 
+@pytest.mark.serve_process
 def test_P6_sighup_reloads(gateway_factory):
     gw = gateway_factory(BEFORE)
     config_file(gw).write_text(AFTER)

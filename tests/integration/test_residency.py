@@ -9,6 +9,7 @@ from pathlib import Path
 
 import httpx
 import psutil
+import pytest
 
 from tests.support.processes import cleanup, fake_cmd, process_gone, wait_for
 
@@ -260,6 +261,7 @@ def planned(gw, backend: str) -> float | None:
     return None
 
 
+@pytest.mark.serve_process
 def test_M2_planning_learns_what_a_backend_holds_and_a_restart_remembers_it(
     gateway_factory, tmp_path
 ):

@@ -44,6 +44,7 @@ def test_addr_without_a_port_is_refused():
         parse_addr("localhost")
 
 
+@pytest.mark.serve_process
 def test_serve_flags_db_and_activity_retention_by_env(gateway_factory, tmp_path):
     import signal
     import sqlite3

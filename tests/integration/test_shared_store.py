@@ -148,6 +148,7 @@ def test_X5_two_gateways_on_one_postgresql_share_pauses_spend_limits_and_activit
     wait_for(lambda: ids <= stored_request_ids(postgres_url), 5, what="rows of both gateways")
 
 
+@pytest.mark.serve_process
 def test_X5_C3_a_gateway_killed_9_loses_at_most_a_second_of_activity(start, postgres_url):
     a = start("a")
     served: list[tuple[float, str]] = []  # (answered at, request id)

@@ -12,6 +12,7 @@ from typing import Any
 
 import httpx
 import psutil
+import pytest
 
 from tests.support.processes import Gateway, fake_cmd, process_gone, wait_for
 
@@ -73,7 +74,7 @@ def backend_state_metric(gw: Gateway, bid: str, state: str) -> float:
 
 
 def config_file(gw: Gateway) -> Path:
-    return Path(gw.proc.args[gw.proc.args.index("--config") + 1])  # type: ignore[index]
+    return gw.config_path
 
 
 def sleep_pid(gw: Gateway, model: str) -> int:
@@ -231,6 +232,7 @@ models:
     )
 
 
+@pytest.mark.serve_process
 def test_W1_P6_reload_keeps_an_unchanged_sleeper_asleep_and_replaces_a_changed_one(
     gateway_factory,
 ):
@@ -264,6 +266,7 @@ def test_W1_P6_reload_keeps_an_unchanged_sleeper_asleep_and_replaces_a_changed_o
 # --- L5: a kill -9 of corrallm while a backend sleeps ----------------------------------------
 
 
+@pytest.mark.serve_process
 def test_W1_L5_a_sleeper_is_readopted_asleep_after_a_crash_and_wakes_on_request(
     gateway_factory,
 ):
@@ -289,6 +292,7 @@ def test_W1_L5_a_sleeper_is_readopted_asleep_after_a_crash_and_wakes_on_request(
     assert process_gone(pid)
 
 
+@pytest.mark.serve_process
 def test_W1_L5_a_readopted_sleeper_that_cannot_be_woken_is_stopped_not_leaked(
     gateway_factory,
 ):

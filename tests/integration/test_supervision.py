@@ -118,6 +118,7 @@ models:
     assert calls(state)[-1] == "docker stop -t 10 box"
 
 
+@pytest.mark.serve_process
 def test_P2_command_supervision_runs_cmd_and_stops_with_stop(gateway_factory, standin, tmp_path):
     state, _, env = standin
     pid_file = tmp_path / "cmd.pid"

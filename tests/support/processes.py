@@ -112,14 +112,16 @@ def kill_group(pgid: int) -> None:
 
 
 @dataclass
-class Gateway:
-    """A running `corrallm serve` process."""
+class GatewayClient:
+    """A running gateway as the tests reach it: its address, home folder and log, and
+    helpers over HTTP. `Gateway` is one run as a `corrallm serve` process;
+    `tests/support/inprocess.py` serves one from a thread of the test process."""
 
-    proc: subprocess.Popen[bytes]
     url: str
     home: Path
     log_path: Path
     backend_groups: set[int] = field(default_factory=set)
+    config_path: Path | None = field(default=None, kw_only=True)  # the file it was given
 
     @property
     def v1(self) -> str:
@@ -185,6 +187,13 @@ class Gateway:
         record = wait_for(lambda: self.records().get(backend), timeout, what=f"{backend} pid")
         return int(record["pid"])  # type: ignore[call-overload]
 
+
+@dataclass
+class Gateway(GatewayClient):
+    """A running `corrallm serve` process."""
+
+    proc: subprocess.Popen[bytes] = field(kw_only=True)
+
     def signal(self, sig: int) -> None:
         self.records()
         self.proc.send_signal(sig)
@@ -234,7 +243,7 @@ def start_gateway(
             env=full_env,
             start_new_session=True,
         )
-    gateway = Gateway(proc, f"http://127.0.0.1:{port}", home, log_path)
+    gateway = Gateway(f"http://127.0.0.1:{port}", home, log_path, proc=proc, config_path=config)
     if wait:
         wait_healthy(gateway)
     return gateway
