@@ -185,7 +185,7 @@ class Pipeline:
                 code="model_not_found",
             )
         if self.gw.pauses.paused("model", served.name):
-            raise model_paused(served.name)
+            raise model_paused(served.name, self.gw.pauses.remaining("model", served.name))
         return served
 
     def identify(self, scope: Scope, signed: str | None = None) -> Caller:
