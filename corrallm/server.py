@@ -20,6 +20,7 @@ from corrallm.head_guard import HeadGuard, HeadLimits, fds_free, raise_fd_limit
 from corrallm.home import secure_home
 from corrallm.observe.redaction import Redactor, install
 from corrallm.proxy.bodies import BodyLimits
+from corrallm.store.location import MissingExtra
 
 # Open streams get this long to finish on SIGTERM/SIGINT before they are cut and every
 # backend is stopped.
@@ -58,15 +59,18 @@ def run(config: Config, options: ServeOptions) -> None:
     except ValueError as exc:
         raise SystemExit(f"corrallm serve: {exc}") from None
     secure_home(options.home)  # T5: 0700, tightened if it was not
-    gateway = Gateway(
-        config,
-        options.home,
-        options.health_timeout,
-        options.db,
-        options.reservation_max_ttl,
-        options.activity_retention,
-        options.config_path,
-    )
+    try:
+        gateway = Gateway(
+            config,
+            options.home,
+            options.health_timeout,
+            options.db,
+            options.reservation_max_ttl,
+            options.activity_retention,
+            options.config_path,
+        )
+    except MissingExtra as exc:  # one line naming the extra, not a traceback (X5)
+        raise SystemExit(f"corrallm serve: {exc}") from None
     gateway.events.limit = event_buffer  # T5: bytes queued per events subscriber
     token = ensure_token(options.home)
     source = options.config_path or "the packaged demo config"
