@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
+import socket
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -18,6 +20,7 @@ from corrallm.events import buffer_from_env
 from corrallm.gateway import Gateway
 from corrallm.head_guard import HeadGuard, HeadLimits, fds_free, raise_fd_limit
 from corrallm.home import secure_home
+from corrallm.lifecycle.process import listener_of
 from corrallm.observe.redaction import Redactor, install
 from corrallm.proxy.bodies import BodyLimits
 from corrallm.store.location import MissingExtra
@@ -43,14 +46,40 @@ def parse_addr(addr: str) -> tuple[str, int]:
     """`:6502` (all interfaces), `127.0.0.1:6502`, `[::1]:6502`."""
     host, sep, port = addr.rpartition(":")
     if not sep or not port.isdigit():
-        raise ValueError(f"ADDR must look like :6502 or 127.0.0.1:6502, got {addr!r}")
+        raise ValueError(
+            f"the address (--addr or ADDR) must look like :6502 or 127.0.0.1:6502, got {addr!r}"
+        )
     host = host.strip("[]") or "0.0.0.0"
     return host, int(port)
+
+
+def listen(addr: str) -> socket.socket:
+    """The gateway's listening socket, bound before anything starts (uvicorn listens on it):
+    an address in use stops `serve` at once with one line naming what holds it."""
+    host, port = parse_addr(addr)
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        if exc.errno == errno.EADDRINUSE:
+            holder = listener_of(port)
+            held = f"in use by {holder}" if holder else "in use"
+            raise SystemExit(
+                f"corrallm serve: cannot listen on {addr}: the address is {held}; stop it, "
+                "or pick another address with --addr"
+            ) from None
+        raise SystemExit(
+            f"corrallm serve: cannot listen on {addr}: {exc.strerror or exc}"
+        ) from None
+    return sock
 
 
 def run(config: Config, options: ServeOptions) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
     host, port = parse_addr(options.addr)
+    sock = listen(options.addr)  # before anything starts or says it has
     fd_limit = raise_fd_limit()
     try:
         limits = HeadLimits.from_env(os.environ, fds_free(fd_limit))
@@ -121,4 +150,4 @@ def run(config: Config, options: ServeOptions) -> None:
     # T5: uvicorn's Config has set up its loggers; from here on, every handler of the
     # gateway's log replaces the admin token, peer tokens and env values as it writes.
     install(Redactor(lambda: gateway.captures.secrets.texts))
-    uvicorn.Server(uvicorn_config).run()
+    uvicorn.Server(uvicorn_config).run(sockets=[sock])

@@ -276,6 +276,20 @@ def port_holder(port: int, ours: Spawned) -> str | None:
     return _describe(seen[0]) if seen else None
 
 
+def listener_of(port: int) -> str | None:
+    """Whoever listens on TCP `port` (any address), as `"pid N (its command)"`; None when
+    no listener can be seen (another user's process, another network namespace)."""
+    try:
+        connections = psutil.net_connections(kind="tcp")
+    except psutil.Error:
+        return None
+    for conn in connections:
+        listening = conn.status == psutil.CONN_LISTEN and conn.laddr and conn.laddr.port == port
+        if listening and conn.pid is not None:
+            return _describe(conn.pid)
+    return None
+
+
 def _listens(pid: int, port: int) -> bool:
     try:
         connections = psutil.Process(pid).net_connections(kind="tcp")
