@@ -516,3 +516,36 @@ def test_K5_json_schema_takes_an_alias_as_a_name_or_an_object() -> None:
         "setParams",
         "defaultParams",
     }
+
+
+def test_issue30_L6_maxConcurrent_left_out_takes_the_slots_of_llama_servers_np() -> None:
+    """Issue 30: a llama-server started with `-np 4` got one slot, since maxConcurrent
+    defaulted to 1. Left out, it now means the cmd's -np/--parallel (and `check` says so);
+    given, it wins; another program's -np means nothing."""
+    config = load_config_text(
+        """
+servers: {box: {pools: {gpu0: 24GB}}}
+models:
+  np:
+    backends: [{cmd: "/opt/llama-server -m m.gguf -np 4 --port ${PORT}", proxy: "${PORT}",
+                ramUsage: {gpu0: 1GB}}]
+  parallel:
+    backends: [{cmd: "llama-server --parallel=3 --port ${PORT}", proxy: "${PORT}",
+                ramUsage: {gpu0: 1GB}}]
+  given:
+    backends: [{cmd: "llama-server -np 4 --port ${PORT}", proxy: "${PORT}", maxConcurrent: 2,
+                ramUsage: {gpu0: 1GB}}]
+  auto:
+    backends: [{cmd: "llama-server -np -1 --port ${PORT}", proxy: "${PORT}",
+                ramUsage: {gpu0: 1GB}}]
+  other:
+    backends: [{cmd: "vllm serve m -np 4 --port ${PORT}", proxy: "${PORT}",
+                ramUsage: {gpu0: 1GB}}]
+"""
+    )
+    slots = {name: m.backends[0].max_concurrent for name, m in config.models.items()}
+    assert slots == {"np": 4, "parallel": 3, "given": 2, "auto": 1, "other": 1}
+    text = summary(config)
+    assert "np#0: type chat, quality 100, maxConcurrent 4 (from -np 4 in cmd)" in text
+    assert "parallel#0: type chat, quality 100, maxConcurrent 3 (from --parallel 3 in cmd)" in text
+    assert "given#0: type chat, quality 100, maxConcurrent 2  " in text
