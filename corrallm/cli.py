@@ -105,6 +105,8 @@ def serve(
     except ValueError as exc:
         raise typer.BadParameter(str(exc), param_hint="--addr (or ADDR)") from exc
     cfg, path = _load(config)
+    for warning in _start_warnings(cfg):
+        typer.echo(f"corrallm serve: warning: {warning}", err=True)
     options = ServeOptions(
         addr=addr,
         home=home.expanduser(),
@@ -157,8 +159,17 @@ def check(
             typer.echo("\n".join(f"    {line}" for line in footprint.describe()))
     env = probe()
     typer.echo("\n" + report(env))
-    for warning in warnings(cfg, env):
+    for warning in [*warnings(cfg, env), *_start_warnings(cfg)]:
         typer.echo(f"warning: {warning}")
+
+
+def _start_warnings(cfg: Config) -> list[str]:
+    """Backends whose process could not start on this machine (a program not found, a
+    --slot-save-path folder missing), each with its YAML path."""
+    from corrallm.config.validation import format_path
+    from corrallm.lifecycle.preflight import start_problems
+
+    return [f"{format_path(loc)}: {message}" for loc, message in start_problems(cfg)]
 
 
 keys_app = typer.Typer(help="API keys (SPEC §22): hash a secret for `secretHash`.")

@@ -52,7 +52,7 @@ from corrallm.lifecycle.liveness import (
 )
 from corrallm.lifecycle.logs import LogBuffer
 from corrallm.lifecycle.pidrecords import PidRecord, PidRecords, file_name
-from corrallm.lifecycle.process import Processes, ProcessGroups, Spawned
+from corrallm.lifecycle.process import Processes, ProcessGroups, Spawned, exec_failure
 from corrallm.lifecycle.state import BUSY, COMING, State, check_transition
 from corrallm.lifecycle.transitions import Transitions
 
@@ -455,7 +455,7 @@ class Supervisor:
             if plan.serve is not None:
                 proc = await self.processes.spawn(plan.serve, env, self.spec.cwd, self._output)
         except OSError as exc:
-            self._fail(f"could not run its command: {exc}", "start_exited")
+            self._fail(f"could not run its command: {exec_failure(exc)}", "start_exited")
             return False
         if proc is not None:
             self._own(proc)
