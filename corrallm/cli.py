@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
@@ -84,19 +83,30 @@ def serve(
             envvar="CORRALLM_HEALTH_TIMEOUT", help="how long a backend may take to turn healthy"
         ),
     ] = "120s",
+    addr: Annotated[
+        str,
+        typer.Option(
+            envvar="ADDR",
+            metavar="HOST:PORT",
+            help="where to listen: :6502 (every interface), 127.0.0.1:6502 or [::1]:6502; "
+            "without --addr, the ADDR environment variable",
+        ),
+    ] = ":6502",
 ) -> None:
-    """Serve the gateway on ADDR (default :6502)."""
+    """Serve the gateway on --addr (default :6502; the ADDR environment variable when
+    --addr is not given)."""
     from corrallm.server import ServeOptions, parse_addr, run
 
     timeout = _duration(health_timeout, "--health-timeout")
     lease_cap = _duration(reservation_max_ttl, "--reservation-max-ttl")
     retention = _duration(activity_retention, "--activity-retention")
-    addr = os.environ.get("ADDR", ":6502")
     try:
         parse_addr(addr)
     except ValueError as exc:
-        raise typer.BadParameter(str(exc), param_hint="ADDR") from exc
+        raise typer.BadParameter(str(exc), param_hint="--addr (or ADDR)") from exc
     cfg, path = _load(config)
+    for warning in _start_warnings(cfg):
+        typer.echo(f"corrallm serve: warning: {warning}", err=True)
     options = ServeOptions(
         addr=addr,
         home=home.expanduser(),
@@ -149,8 +159,17 @@ def check(
             typer.echo("\n".join(f"    {line}" for line in footprint.describe()))
     env = probe()
     typer.echo("\n" + report(env))
-    for warning in warnings(cfg, env):
+    for warning in [*warnings(cfg, env), *_start_warnings(cfg)]:
         typer.echo(f"warning: {warning}")
+
+
+def _start_warnings(cfg: Config) -> list[str]:
+    """Backends whose process could not start on this machine (a program not found, a
+    --slot-save-path folder missing), each with its YAML path."""
+    from corrallm.config.validation import format_path
+    from corrallm.lifecycle.preflight import start_problems
+
+    return [f"{format_path(loc)}: {message}" for loc, message in start_problems(cfg)]
 
 
 keys_app = typer.Typer(help="API keys (SPEC §22): hash a secret for `secretHash`.")

@@ -207,6 +207,9 @@ class Gateway:
     def paused(self, kind: Literal["model", "extension"], name: str) -> bool:
         return self.pauses.paused(kind, name)
 
+    def pause_remaining(self, kind: Literal["model", "extension"], name: str) -> float | None:
+        return self.pauses.remaining(kind, name)
+
     def upstream_idle(self, route: Route) -> float:
         return self.config.upstream_idle(route.config)
 

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
+import socket
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -16,10 +18,12 @@ from corrallm.config.units import format_size
 from corrallm.gateway import Gateway
 from corrallm.http.connection import protocol_class
 from corrallm.http.head_guard import HeadGuard, HeadLimits, fds_free, raise_fd_limit
+from corrallm.lifecycle.process import listener_of
 from corrallm.observe.events import buffer_from_env
 from corrallm.observe.redaction import Redactor, install
 from corrallm.proxy.bodies import BodyLimits
 from corrallm.store.home import secure_home
+from corrallm.store.location import MissingExtra
 
 # Open streams get this long to finish on SIGTERM/SIGINT before they are cut and every
 # backend is stopped.
@@ -42,7 +46,9 @@ def parse_addr(addr: str) -> tuple[str, int]:
     """`:6502` (all interfaces), `127.0.0.1:6502`, `[::1]:6502`."""
     host, sep, port = addr.rpartition(":")
     if not sep or not port.isdigit():
-        raise ValueError(f"ADDR must look like :6502 or 127.0.0.1:6502, got {addr!r}")
+        raise ValueError(
+            f"the address (--addr or ADDR) must look like :6502 or 127.0.0.1:6502, got {addr!r}"
+        )
     host = host.strip("[]") or "0.0.0.0"
     return host, int(port)
 
@@ -59,6 +65,34 @@ class Served:
     server: uvicorn.Server
     gateway: Gateway
     redactor: Redactor
+    sock: socket.socket  # bound by `listen` before anything started
+
+    def run(self) -> None:
+        """Serve until stopped (blocks), on the socket bound before anything started."""
+        self.server.run(sockets=[self.sock])
+
+
+def listen(addr: str) -> socket.socket:
+    """The gateway's listening socket, bound before anything starts (uvicorn listens on it):
+    an address in use stops `serve` at once with one line naming what holds it."""
+    host, port = parse_addr(addr)
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        if exc.errno == errno.EADDRINUSE:
+            holder = listener_of(port)
+            held = f"in use by {holder}" if holder else "in use"
+            raise SystemExit(
+                f"corrallm serve: cannot listen on {addr}: the address is {held}; stop it, "
+                "or pick another address with --addr"
+            ) from None
+        raise SystemExit(
+            f"corrallm serve: cannot listen on {addr}: {exc.strerror or exc}"
+        ) from None
+    return sock
 
 
 def run(config: Config, options: ServeOptions) -> None:
@@ -69,7 +103,7 @@ def run(config: Config, options: ServeOptions) -> None:
     # T5: uvicorn's Config has set up its loggers; from here on, every handler of the
     # gateway's log replaces the admin token, peer tokens and env values as it writes.
     install(served.redactor)
-    served.server.run()
+    served.run()
 
 
 def build(config: Config, options: ServeOptions, *, owns_process: bool = True) -> Served:
@@ -77,6 +111,17 @@ def build(config: Config, options: ServeOptions, *, owns_process: bool = True) -
     `owns_process=False` (a gateway run in a thread of a process that is not its own, as
     the tests do): no SIGHUP handler and the garbage collector left as it is; uvicorn
     itself listens to signals only from the main thread."""
+    sock = listen(options.addr)  # before anything starts or says it has
+    try:
+        return _build(config, options, sock, owns_process)
+    except BaseException:
+        sock.close()
+        raise
+
+
+def _build(
+    config: Config, options: ServeOptions, sock: socket.socket, owns_process: bool
+) -> Served:
     host, port = parse_addr(options.addr)
     fd_limit = raise_fd_limit()
     try:
@@ -86,15 +131,18 @@ def build(config: Config, options: ServeOptions, *, owns_process: bool = True) -
     except ValueError as exc:
         raise SystemExit(f"corrallm serve: {exc}") from None
     secure_home(options.home)  # T5: 0700, tightened if it was not
-    gateway = Gateway(
-        config,
-        options.home,
-        options.health_timeout,
-        options.db,
-        options.reservation_max_ttl,
-        options.activity_retention,
-        options.config_path,
-    )
+    try:
+        gateway = Gateway(
+            config,
+            options.home,
+            options.health_timeout,
+            options.db,
+            options.reservation_max_ttl,
+            options.activity_retention,
+            options.config_path,
+        )
+    except MissingExtra as exc:  # one line naming the extra, not a traceback (X5)
+        raise SystemExit(f"corrallm serve: {exc}") from None
     gateway.events.limit = event_buffer  # T5: bytes queued per events subscriber
     token = ensure_token(options.home)
     source = options.config_path or "the packaged demo config"
@@ -143,4 +191,4 @@ def build(config: Config, options: ServeOptions, *, owns_process: bool = True) -
         timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_SECONDS,
     )
     redactor = Redactor(lambda: gateway.captures.secrets.texts)
-    return Served(uvicorn.Server(uvicorn_config), gateway, redactor)
+    return Served(uvicorn.Server(uvicorn_config), gateway, redactor, sock)

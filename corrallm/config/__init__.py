@@ -185,6 +185,7 @@ def summary(config: Config) -> str:
             head = (
                 f"    {backend_id(name, index, backend)}: type {backend.type}, "
                 f"quality {backend.quality}, maxConcurrent {backend.max_concurrent}"
+                + (f" (from {backend.slots_from})" if backend.slots_from else "")
             )
             where = f"extension {backend.extension}" if backend.extension else _process(backend)
             lines.append(f"{head}  {where}")

@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import math
 import re
+import shlex
 from datetime import date, datetime
 from typing import Annotated, Any, Literal
 
@@ -297,11 +298,41 @@ class BackendTimeouts(Section):
     )
 
 
+_PARALLEL_FLAGS = ("-np", "--parallel")
+
+
+def llama_slots(cmd: str | None) -> tuple[str, int] | None:
+    """The slots a llama-server `cmd` asks for with `-np N` / `--parallel N` (N >= 1):
+    `(flag, N)`; None for another program, no such flag, or auto (-1)."""
+    try:
+        argv = shlex.split(cmd or "")
+    except ValueError:
+        return None
+    name = argv[0].replace("\\", "/").rsplit("/", 1)[-1].lower() if argv else ""
+    if name not in ("llama-server", "llama-server.exe"):
+        return None
+    found: tuple[str, int] | None = None
+    for index, arg in enumerate(argv[1:], 1):
+        flag, eq, value = arg.partition("=")
+        if flag not in _PARALLEL_FLAGS:
+            continue
+        if not eq:
+            value = argv[index + 1] if index + 1 < len(argv) else ""
+        # The last one given wins, as in llama-server; -1 (auto) means no count here.
+        found = (flag, int(value)) if value.isdigit() and int(value) >= 1 else None
+    return found
+
+
 class BackendConfig(ProcessSpec):
     model_config = ConfigDict(title="Backend")  # its name in schemas, GraphQL and docs
     name: str | None = None
     type: str = "chat"
-    max_concurrent: int = Field(1, ge=1)
+    max_concurrent: int = Field(
+        1,
+        ge=1,
+        description="slots: requests served at once; default: -np/--parallel of a "
+        "llama-server cmd, else 1",
+    )
     quality: int = 100
     max_tokens: int | None = Field(None, ge=1)
     model: str | None = Field(None, description="model name sent upstream")
@@ -330,6 +361,24 @@ class BackendConfig(ProcessSpec):
         "written in a config",
         json_schema_extra={"readOnly": True},
     )
+
+    @model_validator(mode="after")
+    def _slots_from_cmd(self) -> BackendConfig:
+        # Issue 30: a llama-server started with -np 4 has four slots; maxConcurrent left
+        # out means them, not 1.
+        if "max_concurrent" not in self.model_fields_set:
+            slots = llama_slots(self.cmd)
+            if slots is not None:
+                object.__setattr__(self, "max_concurrent", slots[1])
+        return self
+
+    @property
+    def slots_from(self) -> str | None:
+        """Where maxConcurrent came from when the config does not say (`-np 4 in cmd`)."""
+        if "max_concurrent" in self.model_fields_set:
+            return None
+        slots = llama_slots(self.cmd)
+        return f"{slots[0]} {slots[1]} in cmd" if slots is not None else None
 
 
 def backend_id(model_name: str, index: int, backend: BackendConfig) -> str:

@@ -143,6 +143,50 @@ def _proxy_problem(proxy: str, has_cmd: bool) -> str | None:
     return f"must be a port (5800), an http(s):// URL or ${{PORT}}, got {proxy!r}{hint}"
 
 
+def _cmd_port(cmd: str | None) -> str | None:
+    """The value of `--port` in a cmd (the last one given), as written."""
+    try:
+        argv = shlex.split(cmd or "")
+    except ValueError:
+        return None
+    found = None
+    for index, arg in enumerate(argv):
+        if arg == "--port" and index + 1 < len(argv):
+            found = argv[index + 1]
+        elif arg.startswith("--port="):
+            found = arg.partition("=")[2]
+    return found
+
+
+def _port_mismatch(cmd: str | None, proxy: str) -> str | None:
+    """Issue 30: a cmd's `--port N` that disagrees with its proxy's port: the first request
+    would wait out the whole health timeout on a port nothing listens on."""
+    listens = _cmd_port(cmd)
+    if listens is None or not listens.isdigit():
+        return None  # no --port, or ${PORT}: the port corrallm gives it
+    if PORT_PLACEHOLDER in proxy:
+        return (
+            f"the process listens on --port {listens}, but proxy: {proxy} has corrallm pick "
+            f"a free port and wait for it there: write --port {PORT_PLACEHOLDER} in cmd "
+            f"(or proxy: {listens})"
+        )
+    if proxy.isdigit():
+        port: int | None = int(proxy)
+    else:
+        try:
+            parts = urlsplit(proxy)
+            port = parts.port or {"http": 80, "https": 443}.get(parts.scheme)
+        except ValueError:
+            return None
+    if port is None or int(listens) == port:
+        return None
+    return (
+        f"the process listens on --port {listens}, but proxy sends its requests to port "
+        f"{port}: make them the same (or write {PORT_PLACEHOLDER} in both, and corrallm "
+        "picks a free port)"
+    )
+
+
 # K5: corrallm routes by `model` (renaming it per backend with `model:`) and reads `stream`
 # itself to relay and meter the answer; no filter may change either.
 UNTOUCHABLE_PARAMS = ("model", "stream")
@@ -273,6 +317,9 @@ class _Checker:
             if problem:
                 self.add((*loc, "proxy"), problem)
             else:
+                mismatch = _port_mismatch(cmd, proxy)
+                if mismatch:
+                    self.add((*loc, "cmd"), mismatch)
                 port = _fixed_loopback_port(proxy)
                 started = cmd is not None or supervision in ("docker", "systemd", "command")
                 if port is not None:

@@ -2,7 +2,9 @@
 
 Per backend: wakes, sleeps, time asleep, wake latencies observed, and GPU-hours returned
 = sum(hours asleep * the GPU memory its sleep hands back) / total GPU capacity (pools whose
-name starts with `gpu`). Sleeps and wakes are of two kinds, counted alike: a stop and the
+name starts with `gpu`). A backend that has never loaded (no wake counted, in this run or an
+earlier one) returns nothing, and so avoids no cost: it never held what it would give back;
+its time asleep is still shown. Sleeps and wakes are of two kinds, counted alike: a stop and the
 next start (stopped, paused or failed is asleep), and a real sleep (W1: `asleep`, which
 hands back its GPU footprint less what its `sleepUsage` keeps in GPU pools) and the wake
 that ends it, timed by the supervisor. Counters start at install and live in the store
@@ -238,7 +240,7 @@ class Economics(Generic[P]):
         c = self.counters[backend]
         c.asleep_seconds += seconds
         capacity = self.gpu_capacity()
-        if capacity:
+        if capacity and c.wakes:  # never loaded: it held nothing, so it gave nothing back
             c.gpu_hours += seconds / 3600 * self.returned(backend) / capacity
         self._asleep_since[backend] = now
 
@@ -312,7 +314,7 @@ class Economics(Generic[P]):
             open_seconds = max(0.0, now - since) if since is not None else 0.0
             footprint = self.footprint(backend)
             gpu_hours = c.gpu_hours
-            if capacity and open_seconds:
+            if capacity and open_seconds and c.wakes:
                 gpu_hours += open_seconds / 3600 * self.returned(backend) / capacity
             rows.append(
                 {

@@ -63,6 +63,15 @@ class Pauses:
         until = self.until[key]
         return until is None or until > self.wall_clock()
 
+    def remaining(self, kind: Kind, name: str) -> float | None:
+        """Seconds until a pause with an `until` ends (F3: its 503's Retry-After); None
+        when it has no `until` or there is no pause in force."""
+        until = self.until.get((kind, name))
+        if until is None:
+            return None
+        left = until - self.wall_clock()
+        return left if left > 0 else None
+
     async def restore(self) -> None:
         """At boot: apply the pauses kept in the store; forget the ones that have expired
         (and, on an embedded store, the ones of models and extensions no longer configured:

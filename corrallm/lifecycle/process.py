@@ -41,6 +41,26 @@ def program_argv(cmd: str) -> list[str]:
     return argv
 
 
+def naming(exc: OSError, argv: list[str]) -> OSError:
+    """`exc` naming the program it could not run (uvloop's spawn errors name nothing: a bare
+    `[Errno 2] No such file or directory`)."""
+    if exc.filename is not None or exc.errno is None or not argv:
+        return exc
+    return type(exc)(exc.errno, exc.strerror, argv[0])
+
+
+def exec_failure(exc: OSError) -> str:
+    """Why a command could not be run, in words that name its program."""
+    if isinstance(exc, FileNotFoundError) and exc.filename is not None:
+        return (
+            f"program '{exc.filename}' not found (not on PATH, or no such file, or its "
+            "cwd does not exist); install it or give its full path in cmd"
+        )
+    if isinstance(exc, PermissionError) and exc.filename is not None:
+        return f"program '{exc.filename}' cannot be run: {exc.strerror} (is it executable?)"
+    return str(exc)
+
+
 def create_time(pid: int) -> float | None:
     try:
         return psutil.Process(pid).create_time()
@@ -169,6 +189,8 @@ async def spawn(argv: list[str], env: Mapping[str, str], cwd: str | None, output
             cwd=cwd,
             start_new_session=True,
         )
+    except OSError as exc:
+        raise naming(exc, argv) from None
     finally:
         os.close(fd)  # the child has its own copies
     exited = asyncio.create_task(proc.wait(), name=f"wait-{proc.pid}")
@@ -189,15 +211,18 @@ async def run(
     a daemon behind, and a pipe would not reach end-of-file while that daemon lives.
     """
     with tempfile.TemporaryFile() as out:
-        proc = await asyncio.create_subprocess_exec(
-            *argv,
-            stdin=asyncio.subprocess.DEVNULL,
-            stdout=out,
-            stderr=asyncio.subprocess.STDOUT,
-            env={**os.environ, **env},
-            cwd=cwd,
-            start_new_session=True,
-        )
+        try:
+            proc = await asyncio.create_subprocess_exec(
+                *argv,
+                stdin=asyncio.subprocess.DEVNULL,
+                stdout=out,
+                stderr=asyncio.subprocess.STDOUT,
+                env={**os.environ, **env},
+                cwd=cwd,
+                start_new_session=True,
+            )
+        except OSError as exc:
+            raise naming(exc, argv) from None
         try:
             code: int | None = await asyncio.wait_for(proc.wait(), within)
         except TimeoutError:
@@ -274,6 +299,20 @@ def port_holder(port: int, ours: Spawned) -> str | None:
             return None
         seen.append(conn.pid)
     return _describe(seen[0]) if seen else None
+
+
+def listener_of(port: int) -> str | None:
+    """Whoever listens on TCP `port` (any address), as `"pid N (its command)"`; None when
+    no listener can be seen (another user's process, another network namespace)."""
+    try:
+        connections = psutil.net_connections(kind="tcp")
+    except psutil.Error:
+        return None
+    for conn in connections:
+        listening = conn.status == psutil.CONN_LISTEN and conn.laddr and conn.laddr.port == port
+        if listening and conn.pid is not None:
+            return _describe(conn.pid)
+    return None
 
 
 def _listens(pid: int, port: int) -> bool:

@@ -20,7 +20,7 @@ from corrallm.lifecycle.errors import LifecycleError
 from corrallm.lifecycle.liveness import FailureReason, StallWatch
 from corrallm.lifecycle.logs import LogBuffer
 from corrallm.lifecycle.pidrecords import PidRecord, PidRecords
-from corrallm.lifecycle.process import Processes, Spawned
+from corrallm.lifecycle.process import Processes, Spawned, exec_failure
 from corrallm.lifecycle.state import State
 
 # A port picked for ${PORT} can be bound by another program before the backend binds it.
@@ -133,7 +133,7 @@ class Starting:
             if plan.serve is not None:
                 proc = await self.processes.spawn(plan.serve, env, self.spec.cwd, self._output)
         except OSError as exc:
-            self._fail(f"could not run its command: {exc}", "start_exited")
+            self._fail(f"could not run its command: {exec_failure(exc)}", "start_exited")
             return False
         if proc is not None:
             self._own(proc)

@@ -55,7 +55,8 @@ _CALLER_IDENTITY = frozenset(
     }
 )
 _DROP_REQUEST = _HOP_BY_HOP | _CALLER_IDENTITY
-# A peer's request id is its own (SPEC §21 O1): the client is told this gateway's.
+# A peer's request id is its own (SPEC §21 O1): the client is told this gateway's. So are
+# its backend and its waits (issue 30): the answer carries this gateway's one value of each.
 DROP_RESPONSE = frozenset(
     {
         b"connection",
@@ -64,6 +65,9 @@ DROP_RESPONSE = frozenset(
         b"server",
         b"date",
         b"x-corrallm-request-id",
+        b"x-corrallm-backend",
+        b"x-corrallm-queue-ms",
+        b"x-corrallm-load-ms",
     }
 )
 

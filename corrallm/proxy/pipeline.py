@@ -200,7 +200,7 @@ class Pipeline:
                 code="model_not_found",
             )
         if self.runtime.paused("model", served.name):
-            raise model_paused(served.name)
+            raise model_paused(served.name, self.runtime.pause_remaining("model", served.name))
         return served
 
     def identify(self, scope: Scope, signed: str | None = None) -> Caller:

@@ -39,12 +39,22 @@ def peer_down(route: Route) -> ApiError:
     )
 
 
-def model_paused(model: str) -> ApiError:
-    # F3: a pause is a decision, not congestion: no Retry-After.
-    return unavailable(
-        f"The model '{model}' is paused by an operator; it serves again once unpaused.",
+def model_paused(model: str, remaining: float | None = None) -> ApiError:
+    """F3: a pause is a decision, not congestion: no Retry-After, unless the pause has an
+    `until` (`remaining`: the seconds left): then Retry-After says when it ends."""
+    if remaining is None:
+        return unavailable(
+            f"The model '{model}' is paused by an operator; it serves again once unpaused.",
+            code="paused",
+        )
+    retry = retry_after_header(remaining)
+    error = unavailable(
+        f"The model '{model}' is paused by an operator until a set time, {retry}s from "
+        "now; it serves again then (or once unpaused).",
         code="paused",
     )
+    error.headers = {**error.headers, "retry-after": retry}
+    return error
 
 
 def usd(amount: float) -> str:

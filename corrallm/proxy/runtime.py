@@ -48,6 +48,9 @@ class Runtime(Protocol):
 
     def paused(self, kind: Literal["model", "extension"], name: str) -> bool: ...
 
+    def pause_remaining(self, kind: Literal["model", "extension"], name: str) -> float | None:
+        """F3: seconds until a pause with an `until` ends (its Retry-After); None else."""
+
     def stale(self, route: Route) -> bool:
         """P6/X4: the route no longer leads to a backend of the config in force."""
 

@@ -8,8 +8,10 @@ cookie the sign-in sets, or a bearer header); the sign-in page and static files 
 from __future__ import annotations
 
 import hmac
+import logging
 import mimetypes
 import time
+from collections.abc import Callable
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -23,6 +25,7 @@ from corrallm.gateway import Gateway
 from corrallm.http.asgi import Receive, Scope, Send, send_bytes
 from corrallm.http.errors import ApiError
 from corrallm.proxy.bodies import Bodies
+from corrallm.store.db import StoreUnavailable
 from corrallm.ui import views
 from corrallm.ui.money import money
 
@@ -39,6 +42,7 @@ SECURITY_HEADERS = {
     "cache-control": "no-store",
 }
 PATHS = frozenset({"/", "/signin", "/signout"})
+log = logging.getLogger("corrallm.ui")
 
 
 def is_dashboard_path(path: str) -> bool:
@@ -57,6 +61,7 @@ class Dashboard:
         are served instead of the packaged ones of the same name. `bodies`: the app's one
         reader of request bodies (T5), for the sign-in form."""
         self.gw = gateway
+        self._outage = Outage()
         self._token = admin_token
         self._bodies = bodies or Bodies()
         folders = [HERE] if web_root is None else [web_root, HERE]
@@ -136,8 +141,13 @@ class Dashboard:
 
     async def _dashboard(self, send: Send) -> None:
         context: dict[str, Any] = {"sections": {}}
-        for name in views.SECTIONS:
-            context["sections"][name] = await views.section(name, self.gw, {})
+        try:
+            for name in views.SECTIONS:
+                context["sections"][name] = await views.section(name, self.gw, {})
+        except StoreUnavailable as exc:
+            await self._store_down(send, exc)
+            return
+        self._outage.ended()
         await self._page(send, 200, "dashboard.html", **context)
 
     async def _fragment(self, send: Send, name: str, query: dict[str, str]) -> None:
@@ -149,7 +159,19 @@ class Dashboard:
         except ApiError as exc:
             await send_bytes(send, exc.status, exc.message.encode(), b"text/plain")
             return
+        except StoreUnavailable as exc:
+            await self._store_down(send, exc)
+            return
+        if name in views.STORE_SECTIONS:
+            self._outage.ended()
         await self._page(send, 200, f"{name}.html", s=data)
+
+    async def _store_down(self, send: Send, exc: StoreUnavailable) -> None:
+        """Issue 30: a page saying so (503), and one log line per outage, not per poll."""
+        self._outage.failed(exc)
+        await self._page(
+            send, 503, "store_down.html", path=str(exc.path), reason=exc.reason, fix=exc.fix
+        )
 
     async def _page(self, send: Send, status: int, template: str, **context: Any) -> None:
         html = self.env.get_template(template).render(
@@ -166,6 +188,36 @@ class Dashboard:
         if kind.startswith("text/") or kind.endswith("javascript"):
             kind += "; charset=utf-8"
         await send_bytes(send, 200, body, kind.encode(), {"cache-control": "no-cache"})
+
+
+class Outage:
+    """The store failing the dashboard's reads: one warning when a streak of failures
+    begins, one line when a read succeeds again (a polling page would otherwise log a
+    traceback per request)."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self.clock = clock
+        self.since: float | None = None
+        self.failures = 0
+
+    def failed(self, exc: StoreUnavailable) -> None:
+        self.failures += 1
+        if self.since is None:
+            self.since = self.clock()
+            log.warning(
+                "dashboard: the store is unavailable (%s); the dashboard answers 503 until "
+                "it recovers (logged once)",
+                exc,
+            )
+
+    def ended(self) -> None:
+        if self.since is not None:
+            log.info(
+                "dashboard: the store is available again after %.1fs (%d failed reads)",
+                self.clock() - self.since,
+                self.failures,
+            )
+            self.since, self.failures = None, 0
 
 
 def _cookie(value: str, max_age: int | None, secure: bool = False) -> dict[str, str]:

@@ -27,6 +27,9 @@ SECTIONS = (
     "keys",
     "definitions",
 )
+# The sections that read the store (the only ones that await): one answered means the
+# store answers again after an outage (ui/app.py's Outage).
+STORE_SECTIONS = frozenset({"activity", "usage"})
 # Fragments the page fetches on demand and never renders on its own: one capture (O2),
 # opened from its activity row.
 FRAGMENTS = (*SECTIONS, "capture")

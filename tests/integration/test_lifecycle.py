@@ -107,6 +107,18 @@ def test_L3_process_exiting_while_starting_fails_waiters_at_once_with_its_log_ta
     assert "failed to load model" in error["message"]  # the backend's own last lines
 
 
+def test_issue30_L3_a_program_not_found_is_named_at_serve_and_in_the_502(gateway_factory):
+    """Issue 30: the 502 said `[Errno 2] No such file or directory` without naming the
+    program (uvloop's spawn names nothing); serve did not warn either."""
+    gw = gateway_factory(one_model("no-such-program-issue30 --port ${PORT}"))
+    response = httpx.post(gw.v1 + "/chat/completions", json=CHAT, timeout=60)
+    assert response.status_code == 502
+    message = response.json()["error"]["message"]
+    assert "program 'no-such-program-issue30' not found" in message, message
+    warned = [line for line in gw.log().splitlines() if "no-such-program-issue30" in line]
+    assert warned and "warning: models.m.backends[0].cmd: program" in warned[0], gw.log()
+
+
 def test_L3_start_exceeding_health_timeout_is_killed_and_fails(gateway_factory):
     gw = gateway_factory(one_model(fake_cmd("--load-seconds", "600")), health_timeout="1s")
     response = httpx.post(gw.v1 + "/chat/completions", json=CHAT, timeout=60)

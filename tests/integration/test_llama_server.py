@@ -214,6 +214,8 @@ def test_L6_n_ctx_and_n_slots_are_parsed_from_llama_servers_real_log(
 
     backend_view = gw.overview_backend("tiny#0")
     assert (backend_view["n_ctx"], backend_view["n_slots"]) == (1024, 4)
+    # Issue 30: no maxConcurrent in the config: the scheduler's slots are -np's four.
+    assert backend_view["max_concurrent"] == 4
     logs = gw.api("GET", "models/logs?model=tiny&lines=500").json()
     assert (logs["n_ctx"], logs["n_slots"]) == (1024, 4)
 

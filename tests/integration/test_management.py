@@ -123,6 +123,15 @@ def test_P1_C5_pauses_survive_a_restart_and_keep_a_pinned_model_from_preloading(
     wait_for(lambda: second.state("pinned#0") == "ready", 20, what="reload after unpause")
 
 
+def test_F3_a_pause_with_until_answers_retry_after_the_seconds_until_it_ends(gw):
+    """Issue 30: a paused model's 503 carried no Retry-After even when the pause had an
+    `until`."""
+    assert gw.api("POST", "models/pause", {"model": "m", "until": "1h"}).status_code == 200
+    response = chat(gw, "m")
+    assert response.status_code == 503 and response.json()["error"]["code"] == "paused"
+    assert 3500 <= int(response.headers["retry-after"]) <= 3600, response.headers
+
+
 def test_P1_a_pause_until_a_time_expires_by_itself(gw):
     response = gw.api("POST", "models/pause", {"model": "m", "until": "2s"})
     assert response.status_code == 200 and response.json()["paused_until"].endswith("Z")

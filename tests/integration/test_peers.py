@@ -256,7 +256,8 @@ def chat(gw: Gateway, model: str = "m", key: str = "gold-key", **kwargs: Any) ->
 
 
 def served_by(raw: Any) -> list[str]:
-    """The backends that served it, the node's own first (`m#0, m@b`)."""
+    """The backend that served it, as this gateway names it (`m@b`): one value (issue 30:
+    the peer's own copy, `m#0`, is dropped), kept as a list to show there is one."""
     return [part.strip() for part in raw.headers["x-corrallm-backend"].split(",")]
 
 
@@ -361,9 +362,31 @@ def test_X1_requests_go_to_the_peer_where_the_model_is_loaded(cluster: Cluster) 
     assert g.overview_backend("m@c")["peer"] == "c"
     for _ in range(2):  # each long enough for b to report itself busy with it
         raw = chat(g, max_tokens=12)
-        assert served_by(raw) == ["m#0", "m@b"], raw.headers
+        assert served_by(raw) == ["m@b"], raw.headers
         assert raw.parse().choices[0].message.content
     seen(g, "c", "stopped")  # c was never asked to start it
+
+
+def test_issue30_X1_an_answer_through_a_peer_carries_one_backend_and_one_load_ms(
+    cluster: Cluster,
+) -> None:
+    """Issue 30: answers through a peer carried x-corrallm-backend and x-corrallm-load-ms
+    twice (the peer's and the gateway's), with values that disagreed. Now one of each, the
+    gateway's, streamed or not."""
+    g = cluster.gateway
+    load(cluster, "b")
+    body = {"model": "m", "messages": hi(), "max_tokens": 1}
+    headers = {"Authorization": "Bearer gold-key"}
+    with httpx.Client(base_url=g.v1, headers=headers, timeout=30) as client:
+        plain = client.post("/chat/completions", json=body)
+        with client.stream("POST", "/chat/completions", json={**body, "stream": True}) as r:
+            streamed = r.headers
+            r.read()
+    for got in (plain.headers, streamed):
+        for name in ("x-corrallm-backend", "x-corrallm-load-ms", "x-corrallm-queue-ms"):
+            assert len(got.get_list(name)) == 1, (name, got.multi_items())
+        assert got["x-corrallm-backend"] == "m@b"
+    assert plain.status_code == 200
 
 
 def test_X1_X2_a_full_peer_spills_to_the_next(cluster: Cluster) -> None:
@@ -378,7 +401,7 @@ def test_X1_X2_a_full_peer_spills_to_the_next(cluster: Cluster) -> None:
         # one that finished frees c's slot at once, though c says so only at its next
         # report (a second later; till then it would look as busy as b, a tie).
         for _ in range(2):
-            assert served_by(chat(g, max_tokens=20)) == ["m#0", "m@c"]
+            assert served_by(chat(g, max_tokens=20)) == ["m@c"]
         # Through g itself: a stream held on one of them, the next request goes to the other.
         held.stop.set()
         held.result()
@@ -387,7 +410,7 @@ def test_X1_X2_a_full_peer_spills_to_the_next(cluster: Cluster) -> None:
         try:
             assert first.first.wait(10)
             other = "c" if first.on("b") else "b"
-            assert served_by(chat(g)) == ["m#0", f"m@{other}"]
+            assert served_by(chat(g)) == [f"m@{other}"]
         finally:
             first.stop.set()
         first.result()
@@ -467,7 +490,7 @@ def test_X1_local_backends_first_unless_peer_order_first(cluster: Cluster) -> No
             assert served_by(chat(here)) == ["m#0"]
         # ... and the peer's with peerOrder: first.
         for _ in range(3):
-            assert served_by(chat(first)) == ["m#0", "m@b"]
+            assert served_by(chat(first)) == ["m@b"]
     finally:
         cleanup(here)
         cleanup(first)
@@ -555,7 +578,7 @@ def test_X3_the_caller_key_never_leaves_the_gateway(cluster: Cluster) -> None:
     headers = {"x-api-key": "gold-key", "Cookie": "session=gold-key", "X-Corrallm-Key": "gold-key"}
     with sdk(g, default_headers=headers) as client:
         raw = client.chat.completions.with_raw_response.create(model="f", messages=hi())
-    assert served_by(raw) == ["f#0", "f@b"]
+    assert served_by(raw) == ["f@b"]
     own = row_of(g, raw.headers["x-corrallm-request-id"])
     assert (own["key"], own["group"]) == (short_key_name("gold-key"), "gold")  # T1: its name
     # The node's capture of what arrived: its lane, signed; no key in any form.

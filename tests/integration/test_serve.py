@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
 
+import httpx
 import pytest
 
 from corrallm.server import parse_addr
+from tests.support.processes import free_port, kill_group, wait_for
 
 
 def test_serve_refuses_a_bad_config_listing_every_problem(tmp_path):
@@ -42,6 +45,74 @@ def test_addr_forms(addr, expected):
 def test_addr_without_a_port_is_refused():
     with pytest.raises(ValueError, match="ADDR"):
         parse_addr("localhost")
+
+
+def serve(
+    tmp_path, *args: str, env: dict[str, str] | None = None, output: object = subprocess.PIPE
+) -> subprocess.Popen[str]:
+    """`corrallm serve` on the demo config with its own home, its output to `output`."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "corrallm", "serve", "--home", str(tmp_path / "home"), *args],
+        stdout=output,  # type: ignore[arg-type]
+        stderr=subprocess.STDOUT,
+        text=True,
+        cwd=tmp_path,  # no ./corrallm.yaml there: the packaged demo
+        env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
+        start_new_session=True,
+    )
+
+
+def test_issue30_serve_listens_on_addr_and_its_help_names_the_flag_and_ADDR(tmp_path):
+    """Issue 30: `serve` had no --addr, only an ADDR variable its --help did not mention.
+    --addr wins over ADDR."""
+    shown = subprocess.run(
+        [sys.executable, "-m", "corrallm", "serve", "--help"],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "COLUMNS": "200"},
+        timeout=60,
+    ).stdout
+    assert "--addr" in shown and "HOST:PORT" in shown and "ADDR" in shown
+    port = free_port()
+    log = tmp_path / "serve.log"
+    with log.open("w") as out:
+        proc = serve(
+            tmp_path, "--addr", f"127.0.0.1:{port}", env={"ADDR": "127.0.0.1:1"}, output=out
+        )
+    try:
+        url = f"http://127.0.0.1:{port}/health"
+
+        def up() -> bool:
+            assert proc.poll() is None, log.read_text()
+            try:
+                return httpx.get(url, timeout=1).status_code == 200
+            except httpx.HTTPError:
+                return False
+
+        wait_for(up, 30, what="corrallm on --addr")
+    finally:
+        kill_group(proc.pid)
+        proc.wait(10)
+
+
+def test_issue30_a_busy_address_is_one_line_naming_its_holder_before_any_startup(tmp_path):
+    """Issue 30: a port in use printed uvicorn's raw `[Errno 98]` after "startup complete".
+    Now `serve` stops at once, non-zero, with one line naming the address and the process
+    holding it (this test's own, here)."""
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        proc = serve(tmp_path, "--addr", f"127.0.0.1:{port}")
+        try:
+            output, _ = proc.communicate(timeout=60)
+        finally:
+            kill_group(proc.pid)
+    assert proc.returncode != 0
+    assert "startup complete" not in output.lower() and "Errno" not in output, output
+    (line,) = [line for line in output.splitlines() if f"127.0.0.1:{port}" in line]
+    assert "in use by" in line and f"pid {os.getpid()}" in line, output
+    assert "--addr" in line
 
 
 @pytest.mark.serve_process

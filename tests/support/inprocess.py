@@ -151,7 +151,7 @@ def start_in_process(
 def _serve(gateway: InProcessGateway, served: Served) -> None:
     with _LOCK:
         _OWNERS[threading.get_ident()] = gateway
-    served.server.run()
+    served.run()
 
 
 def _up(gateway: InProcessGateway, served: Served) -> bool:

@@ -516,3 +516,97 @@ def test_K5_json_schema_takes_an_alias_as_a_name_or_an_object() -> None:
         "setParams",
         "defaultParams",
     }
+
+
+def test_issue30_L6_maxConcurrent_left_out_takes_the_slots_of_llama_servers_np() -> None:
+    """Issue 30: a llama-server started with `-np 4` got one slot, since maxConcurrent
+    defaulted to 1. Left out, it now means the cmd's -np/--parallel (and `check` says so);
+    given, it wins; another program's -np means nothing."""
+    config = load_config_text(
+        """
+servers: {box: {pools: {gpu0: 24GB}}}
+models:
+  np:
+    backends: [{cmd: "/opt/llama-server -m m.gguf -np 4 --port ${PORT}", proxy: "${PORT}",
+                ramUsage: {gpu0: 1GB}}]
+  parallel:
+    backends: [{cmd: "llama-server --parallel=3 --port ${PORT}", proxy: "${PORT}",
+                ramUsage: {gpu0: 1GB}}]
+  given:
+    backends: [{cmd: "llama-server -np 4 --port ${PORT}", proxy: "${PORT}", maxConcurrent: 2,
+                ramUsage: {gpu0: 1GB}}]
+  auto:
+    backends: [{cmd: "llama-server -np -1 --port ${PORT}", proxy: "${PORT}",
+                ramUsage: {gpu0: 1GB}}]
+  other:
+    backends: [{cmd: "vllm serve m -np 4 --port ${PORT}", proxy: "${PORT}",
+                ramUsage: {gpu0: 1GB}}]
+"""
+    )
+    slots = {name: m.backends[0].max_concurrent for name, m in config.models.items()}
+    assert slots == {"np": 4, "parallel": 3, "given": 2, "auto": 1, "other": 1}
+    text = summary(config)
+    assert "np#0: type chat, quality 100, maxConcurrent 4 (from -np 4 in cmd)" in text
+    assert "parallel#0: type chat, quality 100, maxConcurrent 3 (from --parallel 3 in cmd)" in text
+    assert "given#0: type chat, quality 100, maxConcurrent 2  " in text
+
+
+def test_issue30_a_cmd_port_that_disagrees_with_proxy_is_a_problem_at_its_path() -> None:
+    """Issue 30: `--port 5801` with `proxy: 5800` passed `check`; the first request then
+    waited the whole health timeout on a port nothing listened on."""
+    with pytest.raises(ConfigError) as err:
+        load_config_text(
+            """
+models:
+  fixed: {backends: [{cmd: "srv --port 5801", proxy: 5800}]}
+  url: {backends: [{cmd: "srv --port=5803", proxy: "http://127.0.0.1:5802/v1"}]}
+  picked: {backends: [{cmd: "srv --port 5804", proxy: "${PORT}"}]}
+  fine: {backends: [{cmd: "srv --port ${PORT}", proxy: "${PORT}"}]}
+  same: {backends: [{cmd: "srv --port 5805", proxy: 5805}]}
+"""
+        )
+    problems = err.value.problems
+    assert [p.split(":")[0] for p in problems] == [
+        "models.fixed.backends[0].cmd",
+        "models.url.backends[0].cmd",
+        "models.picked.backends[0].cmd",
+    ], problems
+    assert "listens on --port 5801, but proxy sends its requests to port 5800" in problems[0]
+    assert "write --port ${PORT} in cmd (or proxy: 5804)" in problems[2]
+
+
+def test_issue30_check_warns_of_a_missing_program_and_slot_save_folder_with_paths(
+    tmp_path: Path,
+) -> None:
+    """Issue 30: a program not on PATH and a --slot-save-path folder that does not exist
+    passed `check` silently. They read the machine, not the config (check may run where the
+    programs are not installed), so they are warnings with the YAML path, as D4's are."""
+    config = tmp_path / "c.yaml"
+    config.write_text(
+        f"""
+extensions:
+  gone: {{cmd: "/nowhere/adapter --port ${{PORT}}", proxy: "${{PORT}}"}}
+models:
+  m:
+    backends:
+      - cmd: "no-such-program-issue30 --port ${{PORT}}"
+        proxy: "${{PORT}}"
+      - cmd: "sh -c true --slot-save-path {tmp_path}/slots"
+        proxy: "${{PORT}}"
+        maxConcurrent: 1
+      - cmd: "corrallm fake-backend --port ${{PORT}}"
+        proxy: "${{PORT}}"
+"""
+    )
+    result = run_cli("check", "--config", str(config))
+    assert result.returncode == 0, result.stderr
+    warned = [line for line in result.stdout.splitlines() if line.startswith("warning:")]
+    assert warned == [
+        "warning: extensions.gone.cmd: program '/nowhere/adapter' not found (no such file: "
+        "/nowhere/adapter): the process cannot start; install it or give its path",
+        "warning: models.m.backends[0].cmd: program 'no-such-program-issue30' not found on "
+        "PATH (/usr/bin:/bin): the process cannot start; install it or give its path",
+        f"warning: models.m.backends[1].cmd: --slot-save-path {tmp_path}/slots: no such folder "
+        f"({tmp_path}/slots); llama-server cannot save slots there: create it "
+        f"(mkdir -p {tmp_path}/slots)",
+    ], result.stdout

@@ -82,7 +82,7 @@ def test_D1_wakes_sleeps_time_asleep_and_gpu_hours_are_counted():
     a = Proc("a#0")
     residency.configure((a, 2 * GB))
     economics.view()  # first seen (at start, a view, a transition or a checkpoint)
-    clock.now += 3600  # an hour asleep before its first start: a quarter of the GPU back
+    clock.now += 3600  # an hour asleep before its first start: asleep, but nothing given back
     wake(bus, a, 1.5)
     clock.now += 600
     sleep(bus, a)
@@ -100,10 +100,29 @@ def test_D1_wakes_sleeps_time_asleep_and_gpu_hours_are_counted():
         "wake_seconds_avg": 1.5,
         "wake_seconds_max": 1.5,
         "gpu_footprint": 2 * GB,
-        "gpu_hours": 1.5 * 2 / 8,
+        "gpu_hours": 0.5 * 2 / 8,  # the half hour after its sleep only
         "first_seen": 1_000_000.0,
     }
-    assert (view["gpu_capacity"], view["gpu_hours"], view["avoided_usd"]) == (8 * GB, 0.375, 0.75)
+    assert (view["gpu_capacity"], view["gpu_hours"], view["avoided_usd"]) == (8 * GB, 0.125, 0.25)
+
+
+def test_D1_a_backend_that_never_loaded_avoided_nothing():
+    """Issue 30: a model that was never loaded held no GPU memory, so its time stopped
+    gave nothing back: no GPU-hours, no avoided cost (its time asleep still shows)."""
+    economics, bus, residency, clock = ledger()
+    never, failed = Proc("never#0"), Proc("failed#0")
+    residency.configure((never, 4 * GB), (failed, 4 * GB))
+    economics.view()
+    clock.now += 1800
+    move(bus, failed, State.STARTING, State.FAILED)  # a start that never got to ready
+    clock.now += 1800
+    economics._fold("never#0", clock.now)  # as a checkpoint does
+    view = economics.view()
+    assert [(r["backend"], r["asleep_seconds"], r["gpu_hours"]) for r in view["rows"]] == [
+        ("failed#0", 3600.0, 0.0),
+        ("never#0", 3600.0, 0.0),
+    ]
+    assert (view["gpu_hours"], view["avoided_usd"]) == (0.0, 0.0)
 
 
 def test_W1_D1_a_real_sleep_and_its_wake_count_like_a_stop_and_a_start_but_return_less():

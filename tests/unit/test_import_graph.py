@@ -200,11 +200,22 @@ LAYERS: dict[str, set[str]] = {
         "store",
     },
     # ui -> proxy: proxy/bodies.py (to move to http/) and the audio catalog.
-    "ui": {"(root)", "api", "config", "gateway", "http", "proxy"},
+    # ui -> store: StoreUnavailable, for the page that says the store is down.
+    "ui": {"(root)", "api", "config", "gateway", "http", "proxy", "store"},
     # The process: the ASGI app, the server, the command line.
     "app": {"api", "config", "gateway", "http", "observe", "peers", "proxy", "ui"},
-    "server": {"api", "app", "config", "gateway", "http", "observe", "proxy", "store"},
-    "cli": {"(root)", "api", "auth", "config", "fake_backend", "residency", "server", "tools"},
+    "server": {"api", "app", "config", "gateway", "http", "lifecycle", "observe", "proxy", "store"},
+    "cli": {
+        "(root)",
+        "api",
+        "auth",
+        "config",
+        "fake_backend",
+        "lifecycle",
+        "residency",
+        "server",
+        "tools",
+    },
     "__main__": {"cli", "fake_backend"},
 }
 
