@@ -179,8 +179,13 @@ def test_O2_each_side_is_cut_at_64KB_with_truncated_flags(gateway_factory):
     assert r.status_code == 200 and len(r.content) > 65536
     kept = record(gw, r.headers["x-corrallm-request-id"])
     assert kept["truncated"] == {"request": True, "response": True}
-    assert len(kept["request"].encode()) == 65536 and len(kept["response"].encode()) == 65536
-    assert kept["response"].encode() == r.content[:65536]
+    assert len(kept["request"].encode()) == 65536
+    # The answer is cut at 64 KiB, less the end of it that begins some secret value (a
+    # secret straddling the cut leaves no prefix behind): the gateway's own admin token is
+    # one, random, so now and then the cut drops a byte or a few.
+    response = kept["response"].encode()
+    assert 65536 - 64 < len(response) <= 65536, len(response)
+    assert r.content.startswith(response)
     assert kept["request_bytes"] > 100_000 and kept["response_bytes"] == len(r.content)
     row = listed(gw)["captures"][0]
     assert row["truncated"] == {"request": True, "response": True}

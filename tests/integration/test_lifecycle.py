@@ -107,6 +107,7 @@ def test_L3_process_exiting_while_starting_fails_waiters_at_once_with_its_log_ta
     assert "failed to load model" in error["message"]  # the backend's own last lines
 
 
+@pytest.mark.serve_process  # the warning is what `corrallm serve` prints as it starts
 def test_issue30_L3_a_program_not_found_is_named_at_serve_and_in_the_502(gateway_factory):
     """Issue 30: the 502 said `[Errno 2] No such file or directory` without naming the
     program (uvloop's spawn names nothing); serve did not warn either."""
