@@ -9,7 +9,7 @@ turn by `wrk -c 64` from the other CPU, against the same static nginx upstream:
 - `uvicorn static`: uvicorn (uvloop, httptools) and an ASGI app answering 10 bytes. The
   server's own floor.
 - `uvicorn + client relay`: the same, relaying each POST through corrallm's upstream
-  client (`proxy/client.py`) to the static nginx: the floor of any relay on this stack.
+  client (`http/client.py`) to the static nginx: the floor of any relay on this stack.
 - `corrallm GET /health`: `corrallm serve` with its own connection class, answering
   /health: the server, the connection and the app's dispatch.
 - `corrallm chat`: a chat completion through the whole pipeline (a pure-proxy config).
@@ -43,7 +43,7 @@ def serve(kind: str, port: int, upstream: int) -> None:
     """The ASGI floor apps (run in a child process: `floors.py --serve KIND PORT UP`)."""
     import uvicorn
 
-    from corrallm.proxy.client import Client
+    from corrallm.http.client import Client
 
     client: Client | None = None
     url = f"http://127.0.0.1:{upstream}/v1/chat/completions"

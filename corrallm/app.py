@@ -32,12 +32,12 @@ from corrallm.http.asgi import (
     header,
     send_bytes,
 )
+from corrallm.http.bodies import Bodies, BodyLimits
 from corrallm.http.errors import ApiError, internal, not_found, quoted
 from corrallm.observe.context import CURRENT, HEADER, Exchange, new_request_id
 from corrallm.observe.metrics import CONTENT_TYPE
 from corrallm.peers import lanes
 from corrallm.proxy import passthrough, reservations
-from corrallm.proxy.bodies import Bodies, BodyLimits
 from corrallm.proxy.dialects import anthropic, audio, openai, realtime, responses
 from corrallm.proxy.models import ModelCatalog
 from corrallm.proxy.pipeline import Pipeline

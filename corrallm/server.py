@@ -16,12 +16,12 @@ from corrallm.app import CorrallmApp
 from corrallm.config import Config
 from corrallm.config.units import format_size
 from corrallm.gateway import Gateway
+from corrallm.http.bodies import BodyLimits
 from corrallm.http.connection import protocol_class
 from corrallm.http.head_guard import HeadGuard, HeadLimits, fds_free, raise_fd_limit
 from corrallm.lifecycle.process import listener_of
 from corrallm.observe.events import buffer_from_env
 from corrallm.observe.redaction import Redactor, install
-from corrallm.proxy.bodies import BodyLimits
 from corrallm.store.home import secure_home
 from corrallm.store.location import MissingExtra
 

@@ -20,8 +20,8 @@ from typing import Protocol, TypeVar
 import orjson
 
 from corrallm.config.schema import Config, Feedback
-from corrallm.proxy.asgi import Message, Send
-from corrallm.proxy.errors import ApiError
+from corrallm.http.asgi import Message, Send
+from corrallm.http.errors import ApiError
 from corrallm.routing.router import Route
 from corrallm.scheduler.core import Scheduler
 

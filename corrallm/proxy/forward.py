@@ -15,10 +15,10 @@ from typing import NamedTuple
 import aiohttp
 import orjson
 
+from corrallm.http.asgi import CONNECTION, BodyWriter, Connection, Headers, Receive, Scope
+from corrallm.http.client import Client, Response, UpstreamTimeout
+from corrallm.http.errors import ApiError, bad_gateway, unavailable
 from corrallm.observe.context import CURRENT
-from corrallm.proxy.asgi import CONNECTION, BodyWriter, Connection, Headers, Receive, Scope
-from corrallm.proxy.client import Client, Response, UpstreamTimeout
-from corrallm.proxy.errors import ApiError, bad_gateway, unavailable
 from corrallm.proxy.metering import Meter
 from corrallm.scheduler.ticket import Interrupt, Stop
 

@@ -35,7 +35,7 @@ from typing import Any
 
 import orjson
 
-from corrallm.proxy.errors import ApiError, bad_request
+from corrallm.http.errors import ApiError, bad_request
 
 COUNTED = 32 * 1024
 # A string's closing quote, white space, a colon: a key not written compactly (or such

@@ -26,11 +26,11 @@ import orjson
 
 from corrallm.auth.keys import Identity
 from corrallm.gateway import Gateway
+from corrallm.http.asgi import Scope, Send, send_bytes
+from corrallm.http.errors import not_found
 from corrallm.lifecycle.state import BEST_FIRST
 from corrallm.lifecycle.supervisor import Supervisor
-from corrallm.proxy.asgi import Scope, Send, send_bytes
 from corrallm.proxy.dialects.audio import speaks
-from corrallm.proxy.errors import not_found
 from corrallm.proxy.pipeline import Pipeline, caller_key, modes_of, names_of
 from corrallm.routing.router import ServedModel
 

@@ -17,9 +17,9 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Awaitable
 
+from corrallm.http.asgi import Message, Receive, Scope, Send
+from corrallm.http.errors import not_found
 from corrallm.lifecycle.addresses import origin
-from corrallm.proxy.asgi import Message, Receive, Scope, Send
-from corrallm.proxy.errors import not_found
 from corrallm.proxy.forward import DisconnectWatch, request_headers
 from corrallm.proxy.pipeline import Admitted, Inbound, Pipeline, caller_key, ready
 from corrallm.proxy.relay import forward

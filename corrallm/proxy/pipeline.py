@@ -37,14 +37,14 @@ from corrallm.auth.limits import Remaining
 from corrallm.auth.throttle import Pass, asks_of
 from corrallm.config.schema import BackendConfig as Backend
 from corrallm.cost.ledger import UNKNOWN_MODEL, Visit
-from corrallm.lifecycle.errors import BackendPaused, LifecycleError
+from corrallm.http.asgi import Headers, Scope, header
+from corrallm.http.client import Client
+from corrallm.http.errors import ApiError, lifecycle_failure, not_found, quoted
+from corrallm.lifecycle.errors import RETIRED, BackendPaused, LifecycleError
 from corrallm.lifecycle.supervisor import Cause
 from corrallm.observe.context import CURRENT, answer_begun, new_request_id
 from corrallm.observe.live import LiveRequest
 from corrallm.peers.endpoint import PeerEndpoint
-from corrallm.proxy.asgi import Headers, Scope, header
-from corrallm.proxy.client import Client
-from corrallm.proxy.errors import RETIRED, ApiError, lifecycle_failure, not_found, quoted
 from corrallm.proxy.feedback import (
     Narrator,
     QueueNote,

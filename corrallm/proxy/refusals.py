@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from corrallm.auth.limits import LimitRefusal as Refused
 from corrallm.cost.ledger import OverSpend
+from corrallm.http.errors import ApiError, unavailable
 from corrallm.observe.live import LiveRequest
-from corrallm.proxy.errors import ApiError, unavailable
 from corrallm.routing.router import Route
 from corrallm.scheduler.admission import Rejected, retry_after_header
 

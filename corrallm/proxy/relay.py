@@ -26,10 +26,10 @@ import enum
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Protocol
 
+from corrallm.http.asgi import Headers, Message, Receive, Scope, Send
+from corrallm.http.client import Client, Response
+from corrallm.http.errors import ApiError, bad_gateway
 from corrallm.lifecycle.addresses import upstream_url
-from corrallm.proxy.asgi import Headers, Message, Receive, Scope, Send
-from corrallm.proxy.client import Client, Response
-from corrallm.proxy.errors import ApiError, bad_gateway
 from corrallm.proxy.feedback import SSEFeedback
 from corrallm.proxy.forward import (
     DROP_RESPONSE,
@@ -51,7 +51,7 @@ if TYPE_CHECKING:
 # JSON answer passed on is held up to this size, so that a backend dying or hanging
 # partway through it becomes a clean 502/504 instead of a cut body, then streams on; an
 # answer read whole (to translate it, or an error to pass on) may not be larger (502).
-# Requests are capped by `maxBodySize` (proxy/bodies.py).
+# Requests are capped by `maxBodySize` (http/bodies.py).
 HELD_MAX = 16 * 1024 * 1024
 
 SSE_HEADERS = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")]

@@ -24,10 +24,10 @@ from corrallm.config.schema import ReservationsConfig as Reservations
 from corrallm.config.units import parse_duration, rfc3339
 from corrallm.cost.ledger import Visit
 from corrallm.gateway import Caller, Gateway
+from corrallm.http.asgi import Scope, Send, send_bytes
+from corrallm.http.errors import ApiError, bad_request, not_found, quoted
 from corrallm.observe.context import new_request_id
 from corrallm.proxy import jsonbody
-from corrallm.proxy.asgi import Scope, Send, send_bytes
-from corrallm.proxy.errors import ApiError, bad_request, not_found, quoted
 from corrallm.proxy.pipeline import Inbound, Pipeline
 from corrallm.proxy.refusals import spend_limited
 from corrallm.routing.router import Route

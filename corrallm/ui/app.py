@@ -23,8 +23,8 @@ from corrallm import __version__
 from corrallm.api.auth import COOKIE, authorized, canonical
 from corrallm.gateway import Gateway
 from corrallm.http.asgi import Receive, Scope, Send, send_bytes
+from corrallm.http.bodies import Bodies
 from corrallm.http.errors import ApiError
-from corrallm.proxy.bodies import Bodies
 from corrallm.store.db import StoreUnavailable
 from corrallm.ui import views
 from corrallm.ui.money import money

@@ -1,4 +1,4 @@
-"""The hot path's upstream HTTP/1.1 client (proxy/client.py) against raw loopback servers
+"""The hot path's upstream HTTP/1.1 client (http/client.py) against raw loopback servers
 that answer exactly what each test scripts: bodies by length, chunked and by close, interim
 1xx answers, keep-alive reuse, a pooled connection the server closed (sent again once),
 a server that breaks off mid-body or speaks no HTTP, HEAD, backpressure, and HTTPS."""
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from corrallm.proxy.client import HIGH_WATER, Client, UpstreamError, UpstreamTimeout
+from corrallm.http.client import HIGH_WATER, Client, UpstreamError, UpstreamTimeout
 
 Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
 

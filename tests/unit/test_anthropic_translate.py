@@ -7,6 +7,7 @@ from typing import Any
 import orjson
 import pytest
 
+from corrallm.http.errors import ApiError
 from corrallm.proxy.dialects.anthropic_stream import EventStream
 from corrallm.proxy.dialects.anthropic_translate import (
     MAX_BLOCKS,
@@ -15,7 +16,6 @@ from corrallm.proxy.dialects.anthropic_translate import (
     from_chat,
     to_chat,
 )
-from corrallm.proxy.errors import ApiError
 
 TOOL = {
     "name": "get_weather",

@@ -10,8 +10,8 @@ from typing import Any
 import pytest
 from uvicorn.protocols.http.flow_control import FlowControl
 
+from corrallm.http.asgi import CONNECTION
 from corrallm.http.connection import LeanCycle
-from corrallm.proxy.asgi import CONNECTION
 
 
 class Transport:

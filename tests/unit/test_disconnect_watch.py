@@ -12,7 +12,7 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
-from corrallm.proxy.asgi import CONNECTION, Message
+from corrallm.http.asgi import CONNECTION, Message
 from corrallm.proxy.forward import DisconnectWatch
 
 

@@ -133,8 +133,10 @@ def unit_edges() -> list[Edge]:
 # may import nothing of the package. Adding an edge here is a design decision: say why.
 LAYERS: dict[str, set[str]] = {
     # The floor: imports nothing of the package.
-    "http": set(),  # server pieces every surface shares (connection, head guard, errors)
     "config": set(),
+    # Server pieces every surface shares (connection, head guard, errors, body reading,
+    # the upstream client); -> config for the size units of `maxBodySize`.
+    "http": {"config"},
     "fake_backend": set(),
     "store": set(),
     "tools": {"config"},
@@ -199,7 +201,7 @@ LAYERS: dict[str, set[str]] = {
         "scheduler",
         "store",
     },
-    # ui -> proxy: proxy/bodies.py (to move to http/) and the audio catalog.
+    # ui -> proxy: the audio catalog.
     # ui -> store: StoreUnavailable, for the page that says the store is down.
     "ui": {"(root)", "api", "config", "gateway", "http", "proxy", "store"},
     # The process: the ASGI app, the server, the command line.

@@ -15,8 +15,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from corrallm.http.errors import ApiError
 from corrallm.proxy import jsonbody
-from corrallm.proxy.errors import ApiError
 
 # Text that stresses the byte counts: colons, quotes, backslashes, white space, escapes.
 TRICKY = st.text(alphabet=st.sampled_from([*'ab:"\\ \n\t{}u0x', "é", "\u2028"]), max_size=8)

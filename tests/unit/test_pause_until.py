@@ -9,7 +9,7 @@ import time
 import pytest
 
 from corrallm.api.service import parse_until
-from corrallm.proxy.errors import ApiError
+from corrallm.http.errors import ApiError
 
 
 def test_P1_until_accepts_rfc3339_durations_and_unix_seconds():

@@ -21,10 +21,11 @@ from corrallm.auth.callers import Caller, Callers
 from corrallm.auth.keys import KeyRing
 from corrallm.config import Config, load_config_text
 from corrallm.cost.ledger import Visit
+from corrallm.http.errors import ApiError
+from corrallm.lifecycle.errors import RETIRED
 from corrallm.lifecycle.state import State
 from corrallm.observe.events import EventBus
 from corrallm.observe.live import LiveRequests
-from corrallm.proxy.errors import RETIRED, ApiError
 from corrallm.proxy.forward import DisconnectWatch
 from corrallm.proxy.pipeline import Admitted, Inbound, Pipeline
 from corrallm.proxy.runtime import Runtime

@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 
 from corrallm.api.usage import parse_bucket, parse_time, time_range
 from corrallm.config.schema import short_key_name
-from corrallm.proxy.errors import ApiError
+from corrallm.http.errors import ApiError
 from corrallm.store import activity, queries
 from corrallm.store.activity import COLUMNS, Activity
 from corrallm.store.db import MIGRATIONS, Store, StoreUnavailable

@@ -12,7 +12,7 @@ from typing import Any
 import orjson
 import pytest
 
-from corrallm.proxy.client import Client
+from corrallm.http.client import Client
 from corrallm.proxy.forward import Direct, DisconnectWatch
 from corrallm.proxy.metering import Meter, count_events, split_events
 from corrallm.proxy.relay import forward
@@ -166,7 +166,7 @@ async def client() -> AsyncIterator[Client]:
 
 
 class DirectClient:
-    """A client connection written to directly (proxy/asgi.py `BodyWriter`), sharing
+    """A client connection written to directly (http/asgi.py `BodyWriter`), sharing
     `Relayed`'s record so that the order of both ways is one list; `ready` says whether
     the client keeps up (else the relay goes through `send`)."""
 

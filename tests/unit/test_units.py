@@ -6,8 +6,8 @@ import pytest
 
 from corrallm.config import load_config_text
 from corrallm.config.units import env_value, format_size, parse_duration, parse_size
+from corrallm.http.bodies import BodyLimits
 from corrallm.observe.events import buffer_from_env
-from corrallm.proxy.bodies import BodyLimits
 
 
 @pytest.mark.parametrize(

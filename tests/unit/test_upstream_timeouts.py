@@ -11,8 +11,8 @@ import orjson
 import pytest
 
 from corrallm.config import ConfigError, load_config_text
-from corrallm.proxy.client import Client, UpstreamTimeout
-from corrallm.proxy.errors import ApiError
+from corrallm.http.client import Client, UpstreamTimeout
+from corrallm.http.errors import ApiError
 from tests.unit.test_sse_framing import (
     EVENT,
     SSE_HEAD,

@@ -24,9 +24,10 @@ from typing import Any
 import orjson
 
 from corrallm.cost.model import BYTES_PER_TOKEN
+from corrallm.http.asgi import Headers, Receive, Scope, Send, send_bytes
+from corrallm.http.errors import ApiError, bad_gateway, bad_request, quoted
 from corrallm.lifecycle.addresses import origin, upstream_url
 from corrallm.proxy import relay
-from corrallm.proxy.asgi import Headers, Receive, Scope, Send, send_bytes
 from corrallm.proxy.dialects.anthropic_stream import EventStream
 from corrallm.proxy.dialects.anthropic_translate import (
     error_body,
@@ -36,7 +37,6 @@ from corrallm.proxy.dialects.anthropic_translate import (
     to_chat,
 )
 from corrallm.proxy.dialects.openai import parse_request, token_limit, upstream_body
-from corrallm.proxy.errors import ApiError, bad_gateway, bad_request, quoted
 from corrallm.proxy.forward import (
     open_upstream,
     request_headers,

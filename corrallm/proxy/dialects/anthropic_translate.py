@@ -15,7 +15,7 @@ from typing import Any
 
 import orjson
 
-from corrallm.proxy.errors import ApiError, bad_request
+from corrallm.http.errors import ApiError, bad_request
 
 # A request holds at most this many content blocks in all (a hostile one holds 10,000).
 MAX_BLOCKS = 4096

@@ -14,9 +14,9 @@ from typing import Any
 import orjson
 
 from corrallm.gateway import Gateway
-from corrallm.proxy.asgi import Receive, Scope, Send, header, send_bytes
+from corrallm.http.asgi import Receive, Scope, Send, header, send_bytes
+from corrallm.http.errors import bad_request
 from corrallm.proxy.dialects.openai import serve_parsed
-from corrallm.proxy.errors import bad_request
 from corrallm.proxy.pipeline import Pipeline, modes_of, offered
 from corrallm.routing.router import ServedModel
 

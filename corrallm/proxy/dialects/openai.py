@@ -15,9 +15,9 @@ from typing import Any
 
 import orjson
 
+from corrallm.http.asgi import Receive, Scope, Send
+from corrallm.http.errors import ApiError, bad_request, quoted
 from corrallm.proxy import jsonbody, relay
-from corrallm.proxy.asgi import Receive, Scope, Send
-from corrallm.proxy.errors import ApiError, bad_request, quoted
 from corrallm.proxy.feedback import openai_error_event
 from corrallm.proxy.metering import Meter, ask_for_usage
 from corrallm.proxy.pipeline import SURFACE_MODE, Inbound, Pipeline, caller_key

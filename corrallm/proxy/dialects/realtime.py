@@ -27,9 +27,9 @@ import orjson
 
 from corrallm.config.schema import Realtime
 from corrallm.cost.model import Metered
+from corrallm.http.asgi import JSON, Receive, Scope, Send
+from corrallm.http.errors import ApiError
 from corrallm.lifecycle.addresses import upstream_url
-from corrallm.proxy.asgi import JSON, Receive, Scope, Send
-from corrallm.proxy.errors import ApiError
 from corrallm.proxy.pipeline import Admitted, Inbound, Pipeline, caller_key
 
 SESSION_EVENTS = ("session.update", "transcription_session.update")

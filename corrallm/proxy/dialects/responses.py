@@ -18,8 +18,9 @@ from typing import Any
 
 import orjson
 
+from corrallm.http.asgi import Receive, Scope, Send
+from corrallm.http.errors import ApiError, bad_gateway, bad_request
 from corrallm.proxy import relay
-from corrallm.proxy.asgi import Receive, Scope, Send
 from corrallm.proxy.dialects.openai import filtered, parse_request, upstream_body
 from corrallm.proxy.dialects.responses_stream import StreamTranslator, encode
 from corrallm.proxy.dialects.responses_translate import (
@@ -29,7 +30,6 @@ from corrallm.proxy.dialects.responses_translate import (
     to_chat,
     to_response,
 )
-from corrallm.proxy.errors import ApiError, bad_gateway, bad_request
 from corrallm.proxy.metering import Meter
 from corrallm.proxy.pipeline import Inbound, Pipeline, caller_key
 from corrallm.proxy.relay import AsSent, Codec, Mode, upstream_error

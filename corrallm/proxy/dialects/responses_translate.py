@@ -18,7 +18,7 @@ from typing import Any
 
 import orjson
 
-from corrallm.proxy.errors import quoted
+from corrallm.http.errors import quoted
 
 MAX_INPUT_ITEMS = 4096  # input items, and content parts per message: far past any context
 _ROLES = {"user": "user", "assistant": "assistant", "system": "system", "developer": "system"}

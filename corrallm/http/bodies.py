@@ -32,8 +32,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from corrallm.config.units import env_value, format_size, parse_size
-from corrallm.proxy.asgi import CONNECTION, ClientGone, Message, Receive, Scope, header
-from corrallm.proxy.errors import ApiError
+from corrallm.http.asgi import CONNECTION, ClientGone, Message, Receive, Scope, header
+from corrallm.http.errors import ApiError
 
 DEFAULT_BODY_TIMEOUT = 15.0
 DEFAULT_MAX_BODY_MEMORY = 256 * 2**20
