@@ -33,6 +33,21 @@ class Lines:
         self.reason = "stop"
         self.usage: dict[str, Any] | None = None
         self.calls: dict[int, dict[str, Any]] = {}  # Chat tool calls by index, gathering
+        # A line that carries text alone (nearly every line) is written from these parts,
+        # the same bytes as `_line` makes, without building and dumping a dict per token.
+        self._head = b'{"model":' + orjson.dumps(model) + b',"created_at":'
+        if kind == "chat":
+            self._text = b',"message":{"role":"assistant","content":'
+            self._tail = b'},"done":false}\n'
+        else:
+            self._text, self._tail = b',"response":', b',"done":false}\n'
+        self._now = -1.0
+        self._stamp = b""
+
+    def _text_line(self, now: float, text: str) -> bytes:
+        if now != self._now:
+            self._now, self._stamp = now, orjson.dumps(created_at(now))
+        return self._head + self._stamp + self._text + orjson.dumps(text) + self._tail
 
     def _line(self, now: float, said: dict[str, Any], done: bool = False) -> dict[str, Any]:
         line: dict[str, Any] = {"model": self.model, "created_at": created_at(now)}
@@ -78,8 +93,13 @@ class Lines:
         else:
             text = choice.get("text")
         if isinstance(text, str) and text:
-            said["content"] = text
-        out = orjson.dumps(self._line(now, said)) + b"\n" if said else b""
+            if not said:
+                out = self._text_line(now, text)
+            else:
+                said["content"] = text
+                out = orjson.dumps(self._line(now, said)) + b"\n"
+        else:
+            out = orjson.dumps(self._line(now, said)) + b"\n" if said else b""
         finish = choice.get("finish_reason")
         if finish:
             self.reason = done_reason(finish)

@@ -14,10 +14,11 @@ logging here; the codec (ollama.py) does those.
 
 from __future__ import annotations
 
+import functools
 import math
+import time
 from collections.abc import Container, Mapping
 from dataclasses import dataclass
-from datetime import UTC, datetime
 from typing import Any
 
 import orjson
@@ -417,8 +418,14 @@ def timings(
 
 def created_at(now: float) -> str:
     """Wall-clock seconds as Ollama writes `created_at`: RFC 3339, microseconds, UTC."""
-    stamp = datetime.fromtimestamp(now, UTC).isoformat(timespec="microseconds")
-    return stamp.replace("+00:00", "Z")
+    seconds = math.floor(now)
+    return f"{_second(seconds)}.{min(999_999, round((now - seconds) * 1e6)):06d}Z"
+
+
+@functools.lru_cache(maxsize=4)
+def _second(seconds: int) -> str:
+    # A stream's lines fall in a few seconds: the date is formatted once per second.
+    return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(seconds))
 
 
 def done_reason(finish: Any) -> str:
