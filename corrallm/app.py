@@ -40,7 +40,7 @@ from corrallm.peers import lanes
 from corrallm.proxy import passthrough, reservations
 from corrallm.proxy.dialects import anthropic, audio, ollama, openai, realtime, responses
 from corrallm.proxy.dialects.ollama_catalog import PATHS as OLLAMA_CATALOG
-from corrallm.proxy.dialects.ollama_catalog import OllamaCatalog
+from corrallm.proxy.dialects.ollama_catalog import OllamaCatalog, not_managed, unserved
 from corrallm.proxy.models import ModelCatalog
 from corrallm.proxy.pipeline import Pipeline
 from corrallm.ui.app import Dashboard, is_dashboard_path
@@ -286,6 +286,8 @@ class CorrallmApp:
                 send,
                 scope,
             )
+        elif unserved(path):
+            await ollama.write_error(not_managed(path), send)
         elif path == "/api" or path.startswith("/api/"):
             await self._management_api(scope, receive, send)
         elif is_dashboard_path(path):

@@ -255,6 +255,9 @@ def test_E1_errors_are_ollamas_error_objects_with_its_statuses(gw: GatewayClient
         (400, {"error"}),
         (404, {"error"}),
     ]
+    with pytest.raises(ollama.ResponseError) as pull:
+        c.pull("llama3.2")  # model files are the config's: not served, in Ollama's shape
+    assert pull.value.status_code == 404 and "does not manage model files" in pull.value.error
 
 
 def test_E1_keys_policy_and_the_activity_row_as_on_v1(gateway_factory: Factory) -> None:

@@ -28,7 +28,7 @@ import orjson
 from corrallm import __version__
 from corrallm.config.units import rfc3339
 from corrallm.http.asgi import Scope, Send, send_bytes
-from corrallm.http.errors import bad_request, not_found
+from corrallm.http.errors import ApiError, bad_request, not_found
 from corrallm.lifecycle.errors import LifecycleError
 from corrallm.lifecycle.state import State
 from corrallm.lifecycle.supervisor import Supervisor
@@ -50,6 +50,21 @@ log = logging.getLogger("corrallm.proxy")
 # (tools, structured outputs, thinking). corrallm's own version is beside it.
 OLLAMA_API_VERSION = "0.12.0"
 PATHS = {"/api/tags": "GET", "/api/ps": "GET", "/api/show": "POST", "/api/version": "GET"}
+# Ollama's model-file management, which corrallm leaves to its config (404, in its shape).
+UNSERVED = ("/api/pull", "/api/push", "/api/create", "/api/copy", "/api/delete", "/api/blobs/")
+
+
+def unserved(path: str) -> bool:
+    return path.startswith(UNSERVED)
+
+
+def not_managed(path: str) -> ApiError:
+    return not_found(
+        f"corrallm does not manage model files: {path[:128]} is not served. Its models "
+        "come from its config (GET /api/tags lists them); an operator adds one there.",
+    )
+
+
 # A process that holds its model in memory (W1: asleep, it holds its sleep footprint).
 LOADED = frozenset({State.READY, State.DRAINING, State.ASLEEP})
 # What Ollama calls what corrallm's /v1/models capabilities say.
