@@ -216,8 +216,10 @@ def test_E1_generate_is_system_then_prompt_and_raw_is_a_completion() -> None:
 
 @pytest.mark.parametrize(
     ("keep_alive", "zero"),
-    [(0, True), (0.0, True), ("0", True), ("0s", True), ("0m", True), ("5m", False), (-1, False)]
-    + [("forever", False), (None, False), (False, False), (300, False)],
+    [
+        *((zero, True) for zero in (0, 0.0, "0", "0s", "0m")),
+        *((other, False) for other in ("5m", -1, "forever", None, False, 300)),
+    ],
 )
 def test_E1_keep_alive_zero_unloads_and_nothing_else_does(keep_alive: Any, zero: bool) -> None:
     assert unloads(keep_alive) is zero
@@ -462,8 +464,10 @@ def test_E1_a_generate_stream_and_a_backends_error_event() -> None:
 
 @pytest.mark.parametrize(
     ("status", "sent"),
-    [(400, 400), (401, 401), (403, 403), (404, 404), (429, 429), (502, 502), (503, 503)]
-    + [(405, 404), (413, 400), (409, 400), (423, 503), (500, 502), (504, 502)],
+    [
+        *((same, same) for same in (400, 401, 403, 404, 429, 502, 503)),
+        *((405, 404), (413, 400), (409, 400), (423, 503), (500, 502), (504, 502)),
+    ],
 )
 def test_E1_errors_carry_one_of_ollamas_statuses(status: int, sent: int) -> None:
     assert error_status(status) == sent
