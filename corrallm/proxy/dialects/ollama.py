@@ -26,7 +26,7 @@ from typing import Any
 
 import orjson
 
-from corrallm.http.asgi import Receive, Scope, Send
+from corrallm.http.asgi import Receive, Scope, Send, send_bytes
 from corrallm.http.errors import ApiError, bad_gateway, bad_request
 from corrallm.observe.context import CURRENT
 from corrallm.proxy import jsonbody, relay
@@ -57,12 +57,7 @@ async def write_error(error: ApiError, send: Send) -> None:
     """Every error on these paths: `{"error": "<message>"}`, its headers kept (Retry-After,
     the key's x-ratelimit-* counts, Allow)."""
     body = orjson.dumps({"error": error.message})
-    raw = [(b"content-type", b"application/json"), (b"content-length", b"%d" % len(body))]
-    raw.extend((k.lower().encode(), v.encode()) for k, v in error.headers.items())
-    await send(
-        {"type": "http.response.start", "status": error_status(error.status), "headers": raw}
-    )
-    await send({"type": "http.response.body", "body": body})
+    await send_bytes(send, error_status(error.status), body, headers=error.headers)
 
 
 def parse(body: bytes) -> tuple[dict[str, Any], str]:
