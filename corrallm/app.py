@@ -38,7 +38,9 @@ from corrallm.observe.context import CURRENT, HEADER, Exchange, new_request_id
 from corrallm.observe.metrics import CONTENT_TYPE
 from corrallm.peers import lanes
 from corrallm.proxy import passthrough, reservations
-from corrallm.proxy.dialects import anthropic, audio, openai, realtime, responses
+from corrallm.proxy.dialects import anthropic, audio, ollama, openai, realtime, responses
+from corrallm.proxy.dialects.ollama_catalog import PATHS as OLLAMA_CATALOG
+from corrallm.proxy.dialects.ollama_catalog import OllamaCatalog, not_managed, unserved
 from corrallm.proxy.models import ModelCatalog
 from corrallm.proxy.pipeline import Pipeline
 from corrallm.ui.app import Dashboard, is_dashboard_path
@@ -77,6 +79,11 @@ SURFACES: dict[str, Surface] = {
     "/v1/messages": Surface("POST", anthropic.serve, anthropic.write_error),
     "/v1/messages/count_tokens": Surface("POST", anthropic.count_tokens, anthropic.write_error),
     "/v1/responses": Surface("POST", responses.serve),
+    # SPEC §23 E1: Ollama's API, errors in its shape (its catalog paths are `_route`'s).
+    "/api/chat": Surface("POST", ollama.serve, ollama.write_error),
+    "/api/generate": Surface("POST", ollama.serve, ollama.write_error),
+    "/api/embed": Surface("POST", ollama.serve, ollama.write_error),
+    "/api/embeddings": Surface("POST", ollama.serve, ollama.write_error),
 }
 # T5: `/upstream/<model>/…`, for operators (the default) or for keyed callers through the
 # pipeline (`upstream: {access: keys}`).
@@ -112,6 +119,7 @@ class CorrallmApp:
         self._admin_token = admin_token
         gateway.captures.also_redact(admin_token)  # T5: never shown in a capture or the log
         self.models = ModelCatalog(self.pipeline)
+        self.ollama = OllamaCatalog(self.pipeline)
         self._apis: dict[str, ASGIApp] = {}
         self._building = asyncio.Lock()
         # T5: every body read whole goes through this one reader (idle timeout, memory).
@@ -271,6 +279,15 @@ class CorrallmApp:
         elif path == "/v1/models" or path.startswith("/v1/models/"):
             _require(method, "GET", path)
             await self.models.send(scope, send)
+        elif (expected := OLLAMA_CATALOG.get(path)) is not None:
+            await self._answer(
+                self._ollama_catalog(scope, receive, send, expected),
+                ollama.write_error,
+                send,
+                scope,
+            )
+        elif unserved(path):
+            await ollama.write_error(not_managed(path), send)
         elif path == "/api" or path.startswith("/api/"):
             await self._management_api(scope, receive, send)
         elif is_dashboard_path(path):
@@ -279,9 +296,21 @@ class CorrallmApp:
             raise not_found(
                 f"No endpoint {quoted(method)} {quoted(path)}. corrallm serves POST "
                 + ", ".join(sorted(SURFACES))
-                + ", GET /v1/models, GET /v1/models/{id}, GET /v1/capabilities and "
+                + ", GET /v1/models, GET /v1/models/{id}, GET /v1/capabilities, Ollama's "
+                "GET /api/tags, /api/ps, /api/version, POST /api/show, and "
                 "/upstream/<model>/<path>."
             )
+
+    async def _ollama_catalog(
+        self, scope: Scope, receive: Receive, send: Send, method: str
+    ) -> None:
+        """E1: Ollama's `/api/tags`, `/api/ps`, `/api/show`, `/api/version` (no slot, like
+        /v1/models)."""
+        path: str = scope["path"]
+        _require(scope["method"], method, path)
+        await self._with_body(
+            scope, receive, lambda body: self.ollama.answer(path, scope, body, send)
+        )
 
     async def _management_api(self, scope: Scope, receive: Receive, send: Send) -> None:
         """P3: the whole /api subtree is behind the admin token, checked before routing."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import logging
 import os
@@ -14,7 +15,7 @@ import uvicorn
 from corrallm.api.auth import ensure_token
 from corrallm.app import CorrallmApp
 from corrallm.config import Config
-from corrallm.config.units import format_size
+from corrallm.config.units import format_size, parse_address
 from corrallm.gateway import Gateway
 from corrallm.http.bodies import BodyLimits
 from corrallm.http.connection import protocol_class
@@ -44,13 +45,7 @@ class ServeOptions:
 
 def parse_addr(addr: str) -> tuple[str, int]:
     """`:6502` (all interfaces), `127.0.0.1:6502`, `[::1]:6502`."""
-    host, sep, port = addr.rpartition(":")
-    if not sep or not port.isdigit():
-        raise ValueError(
-            f"the address (--addr or ADDR) must look like :6502 or 127.0.0.1:6502, got {addr!r}"
-        )
-    host = host.strip("[]") or "0.0.0.0"
-    return host, int(port)
+    return parse_address(addr, "the address (--addr or ADDR)")
 
 
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s %(message)s"
@@ -66,16 +61,19 @@ class Served:
     gateway: Gateway
     redactor: Redactor
     sock: socket.socket  # bound by `listen` before anything started
+    # SPEC §23 E1: `ollama.listen`'s socket, the same app served on it.
+    also: tuple[socket.socket, ...] = ()
 
     def run(self) -> None:
-        """Serve until stopped (blocks), on the socket bound before anything started."""
-        self.server.run(sockets=[self.sock])
+        """Serve until stopped (blocks), on the sockets bound before anything started."""
+        self.server.run(sockets=[self.sock, *self.also])
 
 
-def listen(addr: str) -> socket.socket:
+def listen(addr: str, setting: str = "--addr") -> socket.socket:
     """The gateway's listening socket, bound before anything starts (uvicorn listens on it):
-    an address in use stops `serve` at once with one line naming what holds it."""
-    host, port = parse_addr(addr)
+    an address in use stops `serve` at once with one line naming what holds it and the
+    `setting` to change."""
+    host, port = parse_address(addr, setting)
     sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
@@ -87,7 +85,7 @@ def listen(addr: str) -> socket.socket:
             held = f"in use by {holder}" if holder else "in use"
             raise SystemExit(
                 f"corrallm serve: cannot listen on {addr}: the address is {held}; stop it, "
-                "or pick another address with --addr"
+                f"or pick another address with {setting}"
             ) from None
         raise SystemExit(
             f"corrallm serve: cannot listen on {addr}: {exc.strerror or exc}"
@@ -112,11 +110,22 @@ def build(config: Config, options: ServeOptions, *, owns_process: bool = True) -
     the tests do): no SIGHUP handler and the garbage collector left as it is; uvicorn
     itself listens to signals only from the main thread."""
     sock = listen(options.addr)  # before anything starts or says it has
+    also: list[socket.socket] = []
     try:
-        return _build(config, options, sock, owns_process)
+        if config.ollama.listen is not None:
+            if parse_address(config.ollama.listen) == parse_addr(options.addr):
+                raise SystemExit(
+                    f"corrallm serve: ollama.listen ({config.ollama.listen}) is the address "
+                    f"corrallm listens on already ({options.addr}); Ollama's API is served "
+                    "there anyway: remove ollama.listen or give it another address"
+                )
+            also.append(listen(config.ollama.listen, "ollama.listen in the config"))
+        served = _build(config, options, sock, owns_process)
     except BaseException:
-        sock.close()
+        for bound in (sock, *also):
+            bound.close()
         raise
+    return dataclasses.replace(served, also=tuple(also))
 
 
 def _build(
@@ -154,6 +163,10 @@ def _build(
         port,
         options.home,
     )
+    if config.ollama.listen is not None:
+        logging.getLogger("corrallm").info(
+            "serving Ollama's API on %s too (ollama.listen)", config.ollama.listen
+        )
     logging.getLogger("corrallm.http").info(
         "request heads: %gs header timeout, %d bytes at most, %d pending at most "
         "(file descriptors: %d)",

@@ -28,7 +28,7 @@ from pydantic import (
 )
 from pydantic.alias_generators import to_camel
 
-from corrallm.config.units import parse_duration, parse_size
+from corrallm.config.units import parse_address, parse_duration, parse_size
 
 
 def _finite(parse: Any) -> Any:
@@ -732,6 +732,26 @@ class Auth(Section):
         return name
 
 
+class OllamaConfig(Section):
+    """Ollama's API (SPEC §23 E1): always on corrallm's own port; `listen` adds a second
+    listener for clients that assume Ollama's port."""
+
+    model_config = ConfigDict(title="Ollama")  # its name in schemas and docs
+
+    listen: str | None = Field(
+        None,
+        description="a second address the same gateway listens on (e.g. 127.0.0.1:11434, "
+        "Ollama's port), read at start",
+    )
+
+    @field_validator("listen")
+    @classmethod
+    def _address(cls, value: str | None) -> str | None:
+        if value is not None:
+            parse_address(value, "ollama.listen")
+        return value
+
+
 class Peer(Section):
     """Another corrallm node whose models this gateway also serves (SPEC §19 X1)."""
 
@@ -761,6 +781,7 @@ class Config(Section):
     feedback: Feedback = Field(default_factory=Feedback)
     capture: CaptureConfig = Field(default_factory=CaptureConfig)
     auth: Auth = Field(default_factory=Auth)
+    ollama: OllamaConfig = Field(default_factory=OllamaConfig)
     max_body_size: Size = 64 * 10**6
     peers: dict[str, Peer] = Field(
         default_factory=dict, description="other corrallm nodes, by name (SPEC §19 X1)"

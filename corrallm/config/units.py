@@ -1,5 +1,6 @@
 """Durations and sizes as operators write them: `500ms`, `30s`, `1.5GB`, `1GiB`, or numbers;
-and positive settings read from the environment."""
+listening addresses (`:6502`, `127.0.0.1:6502`, `[::1]:6502`); and positive settings read
+from the environment."""
 
 from __future__ import annotations
 
@@ -91,3 +92,12 @@ def rfc3339(unix: float | None) -> str | None:
     if unix is None:
         return None
     return datetime.fromtimestamp(unix, UTC).isoformat().replace("+00:00", "Z")
+
+
+def parse_address(addr: str, what: str = "the address") -> tuple[str, int]:
+    """`:6502` (all interfaces), `127.0.0.1:6502`, `[::1]:6502` as (host, port); ValueError
+    naming `what` otherwise."""
+    host, sep, port = addr.rpartition(":")
+    if not sep or not port.isdigit() or int(port) > 65535:
+        raise ValueError(f"{what} must look like :6502, 127.0.0.1:6502 or [::1]:6502, got {addr!r}")
+    return host.strip("[]") or "0.0.0.0", int(port)

@@ -2,11 +2,15 @@
 in a queue gets its response headers early and an SSE comment line every so often, so
 chat UIs show why they wait and idle-timeout proxies keep the stream open.
 
-The pipeline says *when* and *what* (`Waiting.comment`); `SSEFeedback` is how an SSE
-surface says it: it opens the stream (200, `text/event-stream`) with the first comment,
-then relays the admitted backend's answer through `send` as if it had opened it itself.
-If the answer turns out not to be a stream (an upstream error), or the wait fails, the
-stream ends with the error as one `data:` event and `data: [DONE]`.
+The pipeline says *when* and *what* (`Waiting.comment`); `StreamFeedback` is how a
+streaming surface says it: it opens the stream (200, its `StreamForm`'s content type) with
+the first note, then relays the admitted backend's answer through `send` as if it had
+opened it itself. If the answer turns out not to be a stream (an upstream error), or the
+wait fails, the stream ends with the surface's error event (OpenAI's: the error as one
+`data:` event and `data: [DONE]`).
+
+An SSE stream's note is a comment line (`SSE`); a surface whose stream has no comments
+(Ollama's NDJSON, SPEC §23 E1) writes its own kind of line (`StreamForm.note`).
 """
 
 from __future__ import annotations
@@ -27,8 +31,9 @@ from corrallm.scheduler.core import Scheduler
 
 T = TypeVar("T")
 
-SSE_HEADERS = [
-    (b"content-type", b"text/event-stream"),
+SSE_TYPE = b"text/event-stream"
+# Besides the content type: what every stream opened early carries.
+_STREAM_HEADERS = [
     (b"cache-control", b"no-cache"),
     (b"x-accel-buffering", b"no"),  # nginx: do not buffer what is meant to trickle
 ]
@@ -96,6 +101,23 @@ class Narrator:
             await self.waiting.comment(describe(), waited())
 
 
+def sse_comment(text: str) -> bytes:
+    """A note to a waiting SSE client: a comment line, which every SSE parser skips."""
+    return b": " + text.replace("\n", " ").encode() + b"\n\n"
+
+
+@dataclass(frozen=True, slots=True)
+class StreamForm:
+    """How a surface's streams are framed, for what is written before its backend answers:
+    their content type, and how a note to a waiting client is written (K4)."""
+
+    content_type: bytes
+    note: Callable[[str], bytes]
+
+
+SSE = StreamForm(SSE_TYPE, sse_comment)
+
+
 def openai_error_event(error: ApiError) -> bytes:
     """How an OpenAI stream ends in an error: the error object as data, then [DONE]."""
     return b"data: " + orjson.dumps(error.body()) + b"\n\ndata: [DONE]\n\n"
@@ -135,28 +157,33 @@ def load_note(route: Route, config: Config) -> Callable[[], str]:
     return note
 
 
-class SSEFeedback:
-    """An SSE answer whose headers may go out before the backend is reached; `error_event`
-    is how the surface's streams end in an error (OpenAI's by default)."""
+class StreamFeedback:
+    """A streamed answer whose headers may go out before the backend is reached; `error_event`
+    is how the surface's streams end in an error (OpenAI's by default), `form` how they are
+    framed (SSE by default)."""
 
     def __init__(
-        self, send: Send, error_event: Callable[[ApiError], bytes] = openai_error_event
+        self,
+        send: Send,
+        error_event: Callable[[ApiError], bytes] = openai_error_event,
+        form: StreamForm = SSE,
     ) -> None:
         self._send = send
         self._error_event = error_event
+        self._form = form
         self.opened = False  # our headers went out: the backend's must not
         self._status = 200
-        self._sse = True
+        self._streamed = True
         self._held: list[bytes] = []
 
     async def comment(self, text: str, waited: Waited) -> None:
         if not self.opened:
             self.opened = True
-            # The wait so far; its total follows as a comment once it is over.
+            # The wait so far; its total follows as a note once it is over.
             so_far = waited.raw()
-            headers = SSE_HEADERS + so_far
+            headers = [(b"content-type", self._form.content_type), *_STREAM_HEADERS, *so_far]
             await self._send({"type": "http.response.start", "status": 200, "headers": headers})
-        line = b": " + text.replace("\n", " ").encode() + b"\n\n"
+        line = self._form.note(text)
         await self._send({"type": "http.response.body", "body": line, "more_body": True})
 
     async def send(self, message: Message) -> None:
@@ -165,16 +192,15 @@ class SSEFeedback:
             await self._send(message)
         elif message["type"] == "http.response.start":
             self._status = message["status"]
-            self._sse = _is_sse(message["headers"])
+            self._streamed = _is_stream(message["headers"], self._form.content_type)
             waited = {k: v for k, v in message["headers"] if k in WAITED}
             if waited:  # the headers went out before the wait was over: say it here
-                note = b"queue=%sms load=%sms" % (
-                    waited.get(b"x-corrallm-queue-ms", b"0"),
-                    waited.get(b"x-corrallm-load-ms", b"0"),
-                )
-                body = b": corrallm waited " + note + b"\n\n"
+                queue = waited.get(b"x-corrallm-queue-ms", b"0").decode()
+                load = waited.get(b"x-corrallm-load-ms", b"0").decode()
+                note = f"corrallm waited queue={queue}ms load={load}ms"
+                body = self._form.note(note)
                 await self._send({"type": "http.response.body", "body": body, "more_body": True})
-        elif self._status == 200 and self._sse:
+        elif self._status == 200 and self._streamed:
             await self._send(message)
         else:  # not a stream after all: the backend's answer becomes one error event
             self._held.append(message.get("body", b""))
@@ -186,8 +212,8 @@ class SSEFeedback:
         await self._send({"type": "http.response.body", "body": self._error_event(error)})
 
 
-def _is_sse(headers: list[tuple[bytes, bytes]]) -> bool:
-    return any(k == b"content-type" and v.startswith(b"text/event-stream") for k, v in headers)
+def _is_stream(headers: list[tuple[bytes, bytes]], kind: bytes) -> bool:
+    return any(k == b"content-type" and v.startswith(kind) for k, v in headers)
 
 
 def _as_error(status: int, body: bytes) -> ApiError:

@@ -48,7 +48,7 @@ from corrallm.peers.endpoint import PeerEndpoint
 from corrallm.proxy.feedback import (
     Narrator,
     QueueNote,
-    SSEFeedback,
+    StreamFeedback,
     Waited,
     Waiting,
     load_note,
@@ -357,7 +357,7 @@ class Pipeline:
         inbound: Inbound,
         work: Work,
         watch: DisconnectWatch,
-        feedback: SSEFeedback | None = None,
+        feedback: StreamFeedback | None = None,
     ) -> None:
         """`run()` for an HTTP surface: once done, the client's disconnect is no longer
         watched; and a wait that fails after `feedback` opened the stream ends that stream

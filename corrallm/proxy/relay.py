@@ -30,7 +30,7 @@ from corrallm.http.asgi import Headers, Message, Receive, Scope, Send
 from corrallm.http.client import Client, Response
 from corrallm.http.errors import ApiError, bad_gateway
 from corrallm.lifecycle.addresses import upstream_url
-from corrallm.proxy.feedback import SSEFeedback
+from corrallm.proxy.feedback import SSE, StreamFeedback, StreamForm
 from corrallm.proxy.forward import (
     DROP_RESPONSE,
     Direct,
@@ -54,7 +54,7 @@ if TYPE_CHECKING:
 # Requests are capped by `maxBodySize` (http/bodies.py).
 HELD_MAX = 16 * 1024 * 1024
 
-SSE_HEADERS = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")]
+NO_CACHE = (b"cache-control", b"no-cache")
 
 
 class Mode(enum.Enum):
@@ -158,9 +158,11 @@ async def relay(
     progress: Progress | None = None,
     idle_timeout: float | None = None,
     direct: Direct | None = None,
+    stream_type: bytes = SSE.content_type,
 ) -> int:
     """Send the request upstream and relay the answer as `codec` says; returns the
-    status to record.
+    status to record. `stream_type`: the content type of the dialect's own stream
+    (EVENTS).
 
     That is the upstream's status, unless the answer broke off after it began: then 502
     (the backend closed or crashed) or 504 (silent for `idle_timeout` seconds), with
@@ -198,7 +200,8 @@ async def relay(
         if mode is Mode.EVENTS:
             if progress is not None:
                 progress.begin(_renderer(send, codec))
-            start = {"type": "http.response.start", "status": 200, "headers": SSE_HEADERS + extra}
+            head = [(b"content-type", stream_type), NO_CACHE, *extra]
+            start = {"type": "http.response.start", "status": 200, "headers": head}
             return await _translate_events(response, send, start, watch, backend_id, codec)
         if progress is not None:
             progress.begin()  # held: it finishes, then any preemption
@@ -497,14 +500,20 @@ def answer_headers(admitted: Admitted) -> list[tuple[bytes, bytes]]:
 
 
 def serve(
-    pipeline: Pipeline, dialect: Dialect, scope: Scope, receive: Receive, send: Send
+    pipeline: Pipeline,
+    dialect: Dialect,
+    scope: Scope,
+    receive: Receive,
+    send: Send,
+    form: StreamForm = SSE,
 ) -> Awaitable[None]:
     """A dialect's request through the pipeline and the relay: the work every dialect's
-    request does once admitted, written once. (A plain function down to the pipeline's
-    coroutine, as app.py explains: no `await` level of its own.)"""
+    request does once admitted, written once. `form`: how the dialect's streams are framed
+    (SSE, or Ollama's NDJSON). (A plain function down to the pipeline's coroutine, as
+    app.py explains: no `await` level of its own.)"""
     inbound = dialect.inbound
     # K4: a streamed request that waits is told why, on a stream opened early.
-    feedback = SSEFeedback(send, dialect.error_event) if inbound.stream else None
+    feedback = StreamFeedback(send, dialect.error_event, form) if inbound.stream else None
     out = send if feedback is None else feedback.send
     method: str = scope["method"]
 
@@ -529,6 +538,7 @@ def serve(
                 admitted.progress,
                 pipeline.runtime.upstream_idle(route),
                 direct,  # the feedback stream passes an SSE body on unchanged
+                form.content_type,
             )
         finally:
             visit.status = meter.status or visit.status

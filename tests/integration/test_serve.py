@@ -115,6 +115,25 @@ def test_issue30_a_busy_address_is_one_line_naming_its_holder_before_any_startup
     assert "--addr" in line
 
 
+def test_E1_a_busy_ollama_listen_address_is_one_line_naming_the_setting(tmp_path):
+    """SPEC §23 E1: `ollama.listen` is bound like --addr, before anything starts."""
+    config = tmp_path / "corrallm.yaml"
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        config.write_text(f"ollama: {{listen: '127.0.0.1:{port}'}}\nmodels: {{}}\n")
+        proc = serve(tmp_path, "--config", str(config), "--addr", f"127.0.0.1:{free_port()}")
+        try:
+            output, _ = proc.communicate(timeout=60)
+        finally:
+            kill_group(proc.pid)
+    assert proc.returncode != 0
+    assert "startup complete" not in output.lower() and "Errno" not in output, output
+    (line,) = [line for line in output.splitlines() if f"127.0.0.1:{port}" in line]
+    assert "in use by" in line and "ollama.listen in the config" in line, output
+
+
 @pytest.mark.serve_process
 def test_serve_flags_db_and_activity_retention_by_env(gateway_factory, tmp_path):
     import signal

@@ -373,3 +373,10 @@ def test_K5_an_alias_object_collides_like_a_plain_alias() -> None:
         """
     )
     assert problems == ["models.b.aliases[0].name: alias 'chat' is also an alias of model 'a'"]
+
+
+def test_E1_ollama_listen_must_be_an_address() -> None:
+    problem = one_problem("ollama: {listen: localhost}\n")
+    assert "ollama.listen" in problem and ":6502" in problem, problem
+    assert load("ollama: {listen: '127.0.0.1:11434'}\n").ollama.listen == "127.0.0.1:11434"
+    assert load("models: {}\n").ollama.listen is None

@@ -174,8 +174,10 @@ LAYERS: dict[str, set[str]] = {
         "topology",
     },
     # The surfaces: /v1 (proxy) and management (api) side by side, neither importing
-    # the other; the dashboard renders the management views.
+    # the other; the dashboard renders the management views. proxy -> (root): Ollama's
+    # `GET /api/version` says corrallm's version (SPEC §23 E1).
     "proxy": {
+        "(root)",
         "auth",
         "config",
         "cost",

@@ -1,0 +1,242 @@
+"""Ollama's API (SPEC §23 E1): `POST /api/chat`, `/api/generate`, `/api/embed` and
+`/api/embeddings`, a dialect on the one pipeline and the one relay (proxy/pipeline.py,
+proxy/relay.py); `/api/tags`, `/api/ps`, `/api/show` and `/api/version` are
+ollama_catalog.py's.
+
+A request is read and checked once (ollama_translate.read: a malformed one is a 400 before
+any gate), its body as JSON whatever its Content-Type (as Ollama reads it), `<name>:latest`
+taken for `<name>`; admitted like a chat completion (keys, lanes, queues, spend, slots,
+feedback, captures, activity); sent to the admitted backend as a Chat Completion (a
+`raw` generate as a Completion, an embed as Embeddings) and its answer turned back into
+Ollama's: one JSON object, or NDJSON lines (`application/x-ndjson`), the last with
+`done: true`, the counts and durations in nanoseconds.
+
+A streamed request that waits is told why on its stream opened early (K4), in lines an
+Ollama client reads as empty text (`Lines.note`). Errors are `{"error": "<message>"}`
+with one of Ollama's statuses (`write_error`); a stream that breaks off or is preempted
+ends with such a line. `keep_alive: 0` unloads the model once the request is over, when
+no one else uses it (ollama_catalog.unload_idle).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import orjson
+
+from corrallm.http.asgi import Receive, Scope, Send, send_bytes
+from corrallm.http.errors import ApiError, bad_gateway, bad_request
+from corrallm.observe.context import CURRENT
+from corrallm.proxy import jsonbody, relay
+from corrallm.proxy.dialects.ollama_catalog import unload_idle, unload_later
+from corrallm.proxy.dialects.ollama_stream import Lines
+from corrallm.proxy.dialects.ollama_translate import (
+    NDJSON,
+    Timings,
+    Translated,
+    answer,
+    error_line,
+    error_status,
+    read,
+    served_name,
+    settled,
+    timings,
+)
+from corrallm.proxy.dialects.openai import upstream_body
+from corrallm.proxy.feedback import StreamForm
+from corrallm.proxy.metering import Meter
+from corrallm.proxy.pipeline import Inbound, Pipeline, caller_key, ready
+from corrallm.proxy.relay import Codec, Mode, upstream_error
+from corrallm.routing.affinity import session_key
+from corrallm.routing.router import Route
+
+
+async def write_error(error: ApiError, send: Send) -> None:
+    """Every error on these paths: `{"error": "<message>"}`, its headers kept (Retry-After,
+    the key's x-ratelimit-* counts, Allow)."""
+    body = orjson.dumps({"error": error.message})
+    await send_bytes(send, error_status(error.status), body, headers=error.headers)
+
+
+def parse(body: bytes) -> tuple[dict[str, Any], str]:
+    """The JSON object of a body (a key repeated is refused: jsonbody.py) and its model."""
+    payload = jsonbody.parse(body)
+    if not isinstance(payload, dict):
+        raise bad_request("The request body must be a JSON object with a 'model' field.")
+    model = payload.get("model")
+    if not isinstance(model, str) or not model:
+        raise bad_request(
+            "Missing 'model': name the model to use (GET /api/tags lists them).", param="model"
+        )
+    return payload, model
+
+
+def serve(
+    pipeline: Pipeline, scope: Scope, receive: Receive, send: Send, body: bytes
+) -> Awaitable[None]:
+    """`POST /api/chat`, `/api/generate`, `/api/embed`, `/api/embeddings`."""
+    dialect = Ollama(pipeline, scope, body)
+    request = dialect.request
+    if request.empty and request.kind in ("chat", "generate"):
+        return _settle(pipeline, dialect, scope, send)
+    work = relay.serve(pipeline, dialect, scope, receive, send, dialect.form)
+    if not request.unload:
+        return work
+    return _then_unload(pipeline, dialect.inbound.model, work)
+
+
+class Ollama:
+    """The Ollama dialect (relay.Dialect): read and checked once, sent as an OpenAI request,
+    answered in Ollama's shape."""
+
+    direct = False
+    error_event = staticmethod(error_line)
+
+    def __init__(self, pipeline: Pipeline, scope: Scope, body: bytes) -> None:
+        payload, asked = parse(body)
+        path: str = scope["path"]
+        model = served_name(asked, pipeline.runtime.models)
+        self.request: Translated = read(path, payload, model)
+        self.asked = asked  # answers are named as the client named the model
+        self.arrived = time.monotonic()
+        chat = self.request.body
+        self.inbound = Inbound(
+            model,
+            path,
+            caller_key(scope),
+            len(body),
+            None,
+            self.request.limit,
+            session_key(scope["headers"], chat) if pipeline.has_choice(model) else None,
+            stream=self.request.stream,
+        )
+        lines = Lines(self.request.kind, self.request.chat, asked)
+        self.form = StreamForm(NDJSON, lambda text: lines.note(time.time(), text))
+
+    def upstream(self, route: Route) -> tuple[str, bytes]:
+        # The model renamed, filters applied, the token limit clamped, afresh on each try.
+        return self.request.upstream, upstream_body(b"", self.request.body, route, force=True)
+
+    def answer(self, route: Route) -> Codec:
+        request = self.request
+        lines = Lines(request.kind, request.chat, self.asked) if request.stream else None
+        exchange = CURRENT.get()
+        visit = exchange.visit if exchange is not None else None
+        arrived = visit.arrived_mono if visit is not None else self.arrived
+        admitted = visit.admitted_mono if visit is not None else None
+        return OllamaAnswer(Meter(), request, self.asked, lines, arrived, admitted)
+
+
+class OllamaAnswer:
+    """One upstream answer in Ollama's shape: a Chat or Completions stream as NDJSON lines
+    (`lines`), a whole answer as one object; anything else is refused (an error)."""
+
+    __slots__ = ("admitted", "arrived", "lines", "meter", "model", "request")
+
+    cuttable = True
+
+    def __init__(
+        self,
+        meter: Meter,
+        request: Translated,
+        model: str,
+        lines: Lines | None,
+        arrived: float,
+        admitted: float | None,
+    ) -> None:
+        self.meter, self.request, self.model, self.lines = meter, request, model, lines
+        self.arrived, self.admitted = arrived, admitted
+
+    def _times(self) -> Timings:
+        meter = self.meter
+        return timings(
+            self.arrived, self.admitted, meter.started, meter.first_byte, time.monotonic()
+        )
+
+    def mode(self, status: int, kind: str) -> Mode:
+        if status < 400 and kind == "text/event-stream" and self.lines is not None:
+            return Mode.EVENTS
+        if status < 400 and kind == "application/json" and self.lines is None:
+            return Mode.WHOLE
+        return Mode.REFUSE
+
+    def refusal(self, status: int, body: bytes, backend: str) -> ApiError:
+        return upstream_error(status, body, backend)
+
+    def whole(self, body: bytes, backend: str) -> bytes:
+        try:
+            parsed = orjson.loads(body)
+        except orjson.JSONDecodeError:
+            raise bad_gateway(f"backend '{backend}' answered with invalid JSON.") from None
+        return orjson.dumps(answer(self.request, parsed, self.model, time.time(), self._times()))
+
+    def begin(self) -> bytes:
+        return b""
+
+    def events(self, data: bytes) -> bytes:
+        assert self.lines is not None
+        return _translate(data, self.lines, self._times)
+
+    def done(self, sent: bytes) -> bool:
+        return self.lines is not None and self.lines.finished
+
+    def close(self, tail: bytes) -> bytes:
+        assert self.lines is not None
+        return _translate(tail, self.lines, self._times) + self.lines.finish(
+            time.time(), self._times()
+        )
+
+    def fail(self, error: ApiError) -> bytes:
+        return error_line(error)
+
+    def settle(self, sent: int) -> None:
+        pass
+
+
+def _translate(events: bytes, lines: Lines, times: Callable[[], Timings]) -> bytes:
+    """Chat or Completions SSE events (whole) to NDJSON lines; `data: [DONE]` closes."""
+    if b"\r" in events:
+        events = events.replace(b"\r\n", b"\n").replace(b"\r", b"\n")
+    now = time.time()
+    out = []
+    for line in events.split(b"\n"):
+        if not line.startswith(b"data:"):
+            continue
+        data = line[5:].strip()
+        if data == b"[DONE]":
+            out.append(lines.finish(now, times()))
+            continue
+        try:
+            out.append(lines.feed(orjson.loads(data), now))
+        except orjson.JSONDecodeError:
+            continue
+    return b"".join(out)
+
+
+async def _then_unload(pipeline: Pipeline, model: str, work: Awaitable[None]) -> None:
+    """`keep_alive: 0`: once the request is over (its slot given back), its model is
+    unloaded in the background, when no one else uses it."""
+    try:
+        await work
+    finally:
+        unload_later(pipeline.gw, model)
+
+
+async def _settle(pipeline: Pipeline, dialect: Ollama, scope: Scope, send: Send) -> None:
+    """No prompt, no messages: Ollama's way to load a model (`done_reason: load`) or, with
+    `keep_alive: 0`, to unload it (`unload`). The first gates decide who may (model, pause,
+    keys); like a token count it takes no slot and writes no activity row."""
+    caller = pipeline.caller_of(scope)
+    served = pipeline.gates(dialect.inbound, caller)
+    if dialect.request.unload:
+        await unload_idle(pipeline.gw, served)
+        reason = "unload"
+    else:
+        await ready(served.tiers_for(caller.group, pipeline.runtime.placeable)[0][0])
+        reason = "load"
+    body = orjson.dumps(settled(dialect.request, dialect.asked, time.time(), reason))
+    head = [(b"content-type", b"application/json"), (b"content-length", b"%d" % len(body))]
+    await send({"type": "http.response.start", "status": 200, "headers": head})
+    await send({"type": "http.response.body", "body": body})
