@@ -289,7 +289,9 @@ def test_E1_a_stream_that_breaks_off_ends_with_an_error_line(gw: GatewayClient) 
         for part in c.chat(model="crashy", messages=HI, stream=True):
             got.append(part.message.content or "")
     say("broken stream ->", got, broken.value.error[:60])
-    assert len(got) == 2 and "crashy" in broken.value.error
+    # The model's two words; a start slower than the feedback interval (a busy machine)
+    # adds K4's lines, which the client reads as empty text.
+    assert len([word for word in got if word]) == 2 and "crashy" in broken.value.error
 
 
 def test_E1_a_waiting_stream_gets_lines_the_client_reads_as_empty_text(gw: GatewayClient) -> None:
