@@ -52,14 +52,18 @@ class OtlpSink:
         )
 
     def export(self, trace_id: int, spans: Sequence[SpanRecord]) -> None:
+        made: dict[int, SpanContext] = {}  # a parent's context is its own span's (one each)
         for span in spans:
+            context = made[span.span_id] = SpanContext(trace_id, span.span_id, False, SAMPLED)
             parent = None
             if span.parent_id is not None:
-                parent = SpanContext(trace_id, span.parent_id, span.remote_parent, SAMPLED)
+                parent = None if span.remote_parent else made.get(span.parent_id)
+                if parent is None:
+                    parent = SpanContext(trace_id, span.parent_id, span.remote_parent, SAMPLED)
             self.processor.on_end(
                 ReadableSpan(
                     span.name,
-                    SpanContext(trace_id, span.span_id, False, SAMPLED),
+                    context,
                     parent,
                     self.resource,
                     span.attributes,
