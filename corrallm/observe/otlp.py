@@ -25,7 +25,7 @@ from opentelemetry.trace import SpanContext, SpanKind, Status, StatusCode, Trace
 
 from corrallm import __version__
 from corrallm.config.schema import Otlp
-from corrallm.observe.traces import SpanRecord
+from corrallm.observe.spans import SpanRecord
 
 KINDS = {"server": SpanKind.SERVER, "client": SpanKind.CLIENT, "internal": SpanKind.INTERNAL}
 SAMPLED = TraceFlags(TraceFlags.SAMPLED)

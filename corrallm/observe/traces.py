@@ -5,15 +5,16 @@ with the GenAI semantic conventions' attributes and corrallm's own, children `qu
 `upstream` span. Spans leave through the OpenTelemetry SDK's batch processor and OTLP/HTTP
 exporter (observe/otlp.py, the `otel` extra), imported only when `telemetry.otlp` is set.
 
-Off, the gateway has no tracer and a request pays one `is not None` test for it: nothing
-is imported, whatever `OTEL_*` variables say. On, spans are made once, when the request
+Off, the gateway has no tracer and a request pays two `is not None` tests for it (the
+tracer's at the start, the trace's at the end): nothing is imported, whatever `OTEL_*`
+variables say. On, spans are made once, when the request
 is settled, from what the pipeline records anyway (its arrival, the queue and load waits
 of its `Visit`, its first admission, its end): no span object lives while the request
 does, no context variable is set. Only the ids are drawn at the start, for the upstream
 `traceparent`. bench/tracing.py measures this against live SDK spans per phase.
 
 This module is pure (ids, sampling, the `traceparent` header, the spans' times and
-attributes); the `Sink` does the SDK's part.
+attributes); the `Sink` (observe/spans.py) does the SDK's part.
 """
 
 from __future__ import annotations
@@ -22,12 +23,13 @@ import logging
 import random
 import re
 import time
-from collections.abc import MutableSequence, Sequence
+from collections.abc import MutableSequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal, NamedTuple, Protocol
+from typing import TYPE_CHECKING
 
 from corrallm.cost.ledger import UNKNOWN_MODEL
 from corrallm.extras import missing_extra
+from corrallm.observe.spans import Attributes, Sink, SpanRecord
 
 if TYPE_CHECKING:
     from corrallm.config.schema import TelemetryConfig
@@ -59,33 +61,6 @@ OPERATIONS = {
 # add fields after a dash (version 00 may not), and version ff is invalid.
 _TRACEPARENT = re.compile(rb"([0-9a-f]{2})-([0-9a-f]{32})-([0-9a-f]{16})-([0-9a-f]{2})(-.*)?")
 _LOW64 = (1 << 64) - 1
-
-Kind = Literal["server", "client", "internal"]
-Attributes = dict[str, str | int]
-
-
-class SpanRecord(NamedTuple):
-    """One finished span, as the sink turns it into the SDK's."""
-
-    name: str
-    span_id: int
-    parent_id: int | None
-    remote_parent: bool  # the parent is the client's span (another process's)
-    kind: Kind
-    start_ns: int  # wall clock, nanoseconds since the epoch
-    end_ns: int
-    attributes: Attributes
-    error: str | None  # set: the span's status is ERROR with this description
-
-
-class Sink(Protocol):
-    """Where finished spans go (observe/otlp.py: the SDK's batch processor); `export`
-    never blocks on the network."""
-
-    def export(self, trace_id: int, spans: Sequence[SpanRecord]) -> None: ...
-
-    def close(self) -> None:
-        """Send what is queued and stop (blocks: call it off the event loop)."""
 
 
 def tracer_for(telemetry: TelemetryConfig) -> Tracer | None:

@@ -317,7 +317,7 @@ class Pipeline:
         live = rt.live.enter(visit)
         trace = None
         tracer = rt.tracer
-        if tracer is not None:  # E2: off, this test is all that tracing costs a request
+        if tracer is not None:  # E2: off, this and `trace`'s test at the end are all it costs
             scope = exchange.scope if exchange is not None else None
             headers = scope["headers"] if scope is not None else None
             trace = tracer.begin(visit, inbound.model, inbound.limit, headers)

@@ -151,8 +151,10 @@ LAYERS: dict[str, set[str]] = {
     "routing": {"config", "lifecycle"},
     "residency": {"config", "lifecycle", "store"},
     "scheduler": {"config", "routing"},
-    # -> extras: the OpenTelemetry SDK is the `otel` extra.
+    # -> extras: the OpenTelemetry SDK is the `otel` extra; -> (root): the version on
+    # the spans' resource.
     "observe": {
+        "(root)",
         "auth",
         "config",
         "cost",
@@ -165,10 +167,12 @@ LAYERS: dict[str, set[str]] = {
     },
     # The runtime: the topology the config makes, and the gateway holding the owners.
     "topology": {"config", "lifecycle", "peers", "residency", "routing"},
+    # -> extras: a reload that turns traces on without the `otel` extra is logged.
     "gateway": {
         "auth",
         "config",
         "cost",
+        "extras",
         "lifecycle",
         "observe",
         "peers",

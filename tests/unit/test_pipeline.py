@@ -26,7 +26,8 @@ from corrallm.lifecycle.errors import RETIRED
 from corrallm.lifecycle.state import State
 from corrallm.observe.events import EventBus
 from corrallm.observe.live import LiveRequests
-from corrallm.observe.traces import SpanRecord, Tracer
+from corrallm.observe.spans import SpanRecord
+from corrallm.observe.traces import Tracer
 from corrallm.proxy.forward import DisconnectWatch
 from corrallm.proxy.pipeline import Admitted, Inbound, Pipeline
 from corrallm.proxy.runtime import Runtime

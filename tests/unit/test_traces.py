@@ -20,7 +20,8 @@ from corrallm.extras import MissingExtra
 from corrallm.lifecycle.description import Description
 from corrallm.lifecycle.state import State
 from corrallm.observe.fleet import model_load
-from corrallm.observe.traces import SpanRecord, Trace, Tracer, parse_traceparent, spans, tracer_for
+from corrallm.observe.spans import SpanRecord
+from corrallm.observe.traces import Trace, Tracer, parse_traceparent, spans, tracer_for
 
 TRACE, PARENT = "4bf92f3577b34da6a3ce929d0e0e4736", "00f067aa0ba902b7"
 
