@@ -86,9 +86,9 @@ def tracer_for(telemetry: TelemetryConfig) -> Tracer | None:
 
 class Tracer:
     """Starts traces (ids, sampling, the upstream `traceparent`); `Trace.end` makes the
-    spans. Sampling is the SDK's default made explicit: a client's sampled flag decides
-    for its request (parent based), else the trace id's low 64 bits against
-    `sample_ratio` (trace-id ratio based), so every hop of one trace decides alike."""
+    spans. Sampling is the SDK's `ParentBased(TraceIdRatioBased(sample_ratio))` made
+    explicit: a client's sampled flag decides for its request, else the trace id's low
+    64 bits against `sample_ratio`, so every hop of one trace decides alike."""
 
     __slots__ = ("_bound", "sink")
 

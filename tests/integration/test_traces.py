@@ -66,14 +66,16 @@ def by_name(spans: list[Span]) -> dict[str, Span]:
 
 @pytest.fixture
 def receiver(monkeypatch):
-    # The SDK's batch processor exports every 5 s by default; the test waits for less.
+    # Asked for before gateway_factory, so that it outlives the gateways (their last
+    # spans are sent as they stop). The SDK's batch processor exports every 5 s by
+    # default; the tests wait for less.
     monkeypatch.setenv("OTEL_BSP_SCHEDULE_DELAY", "50")
     with otlp_receiver() as got:
         yield got
 
 
 def test_E2_a_request_is_one_span_under_the_clients_with_queue_load_and_upstream(
-    gateway_factory, receiver
+    receiver, gateway_factory
 ):
     cmd = fake_cmd("--load-seconds", "0.3")
     gw = gateway_factory(CONFIG.format(cmd=cmd, telemetry=TELEMETRY.format(url=receiver.url)))
@@ -123,7 +125,7 @@ def test_E2_a_request_is_one_span_under_the_clients_with_queue_load_and_upstream
 
 
 def test_E2_a_refused_request_is_traced_and_an_unsampled_client_is_left_alone(
-    gateway_factory, receiver
+    receiver, gateway_factory
 ):
     gw = gateway_factory(
         CONFIG.format(cmd=fake_cmd(), telemetry=TELEMETRY.format(url=receiver.url))
@@ -153,7 +155,7 @@ def test_E2_a_refused_request_is_traced_and_an_unsampled_client_is_left_alone(
 
 
 def test_E2_unset_it_exports_nothing_and_imports_no_opentelemetry_whatever_OTEL_says(
-    gateway_factory, receiver
+    receiver, gateway_factory
 ):
     env = {
         "OTEL_TRACES_EXPORTER": "otlp",
