@@ -2,7 +2,7 @@
 shared VM, comes out the same on every run, so that a change of a few per cent on the hot
 path can be seen (docs/design.md, "Counted, not guessed").
 
-    .venv/bin/python bench/opcodes.py [--requests 200] [--top 20] [--json]
+    .venv/bin/python bench/opcodes.py [--requests 200] [--top 20] [--json] [--trace]
 
 Starts bench/overhead.py's upstreams (nginx's static answer; the C streamer, here twice:
 64 tokens and 2, 1 ms apart) and `corrallm serve` under this file's counting wrapper
@@ -12,7 +12,9 @@ SIGUSR1 and off by SIGUSR2, which writes the counts). Then, each after a warm-up
 tokens, 10 at a time (bench/stream_client.c); the same with 2 tokens. Prints opcodes and
 Python calls per request and per relayed chunk (the 64-token stream less the 2-token one,
 over the 62 events between them), and each load's top functions. Tracing makes the server
-about twenty times slower: the counts are the result, not the time.
+about twenty times slower: the counts are the result, not the time. `--trace`: the server
+traces requests (SPEC §23 E2), exporting to bench/tracing.py's local OTLP/HTTP sink (the
+exporter's own thread is not counted: its work is off the event loop).
 """
 
 from __future__ import annotations
@@ -33,11 +35,13 @@ from urllib.parse import urlsplit
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from overhead import (
+    BENCH,
     PROMPT,
     PY,
     Procs,
     build_c,
     find_nginx,
+    free_port,
     start_corrallm,
     start_static_upstream,
     start_stream_upstream,
@@ -154,6 +158,7 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=200, help="requests per load (200)")
     parser.add_argument("--top", type=int, default=20, help="functions listed per load (20)")
     parser.add_argument("--json", action="store_true", help="also print the results as JSON")
+    parser.add_argument("--trace", action="store_true", help="telemetry on (a local sink)")
     args = parser.parse_args()
     nginx = find_nginx()
     if nginx is None:
@@ -170,7 +175,12 @@ def main() -> None:
             out = procs.tmp / "opcodes.json"
             os.environ["CORRALLM_OPCODES_OUT"] = str(out)
             target = start_corrallm(
-                procs, fast, long, launcher=[PY, __file__, "--serve"], more={"bench-short": short}
+                procs,
+                fast,
+                long,
+                launcher=[PY, __file__, "--serve"],
+                more={"bench-short": short},
+                extra_config=start_sink(procs) if args.trace else "",
             )
             assert target.pid is not None
             counted = Counted(target.pid, out)
@@ -198,6 +208,15 @@ def main() -> None:
     report(results, args.top)
     if args.json:
         print(json.dumps({k: {**v, "top": v["top"][: args.top]} for k, v in results.items()}))
+
+
+def start_sink(procs: Procs) -> str:
+    """bench/tracing.py's OTLP/HTTP sink; the `telemetry` config that exports to it."""
+    port = free_port()
+    cmd = [PY, str(BENCH / "tracing.py"), "--sink", str(port), str(procs.tmp / "spans.json")]
+    sink = procs.start("sink", cmd, "")
+    procs.wait_healthy("sink", sink, f"http://127.0.0.1:{port}/")
+    return f"telemetry: {{otlp: {{endpoint: 'http://127.0.0.1:{port}'}}}}\n"
 
 
 def report(results: dict[str, dict[str, Any]], top: int) -> None:

@@ -173,10 +173,12 @@ def start_corrallm(
     llama_port: int | None = None,
     launcher: list[str] | None = None,
     more: dict[str, int] | None = None,
+    extra_config: str = "",
 ) -> Target:
     """`corrallm serve` in front of the bench's upstreams (and `more` models: name ->
     upstream port); `launcher` runs it instead of `python -m corrallm` (bench/opcodes.py's
-    counting wrapper)."""
+    counting wrapper); `extra_config`: more top-level YAML (bench/tracing.py's
+    `telemetry`)."""
     port = free_port()
     config = procs.tmp / "corrallm.yaml"
     # maxConcurrent above the stream count: a stream's next round may arrive before the slot
@@ -196,6 +198,7 @@ def start_corrallm(
             f"  {name}: {{backends: [{{proxy: 'http://127.0.0.1:{p}', maxConcurrent: 4096}}]}}\n"
             for name, p in (more or {}).items()
         )
+        + extra_config
     )
     cmd = [
         *(launcher or [PY, "-m", "corrallm"]),

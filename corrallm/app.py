@@ -159,7 +159,7 @@ class CorrallmApp:
             surface = UPSTREAM[self.gateway.config.upstream.access]
             send = passthrough.sandboxed(send)  # errors included
         # A request through the pipeline: its id on every answer, its exchange captured.
-        exchange = Exchange(new_request_id())
+        exchange = Exchange(new_request_id(), scope)
         token = CURRENT.set(exchange)
         out = _answering(send, exchange)
         body = b""

@@ -8,7 +8,8 @@ Two kinds of state, kept apart (docs/design.md, "Who owns what"):
   writer, the ledger (spend windows), admission (lanes, slots, queues, leases), residency
   (pools, with the NVML reader), pauses, the transition bus, events, metrics and
   telemetry. Each subscribes once to the bus; a reload hands them the new topology's
-  parts and keeps what they have counted.
+  parts and keeps what they have counted. The tracer (E2) alone is replaced when a
+  reload changes `telemetry`, its queued spans sent first.
 
 Everything per-request reads prebuilt tables; nothing here parses config on the hot path.
 """
@@ -16,7 +17,9 @@ Everything per-request reads prebuilt tables; nothing here parses config on the 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import threading
 import time
 from collections.abc import Callable, Coroutine, Iterable
 from pathlib import Path
@@ -30,6 +33,7 @@ from corrallm.config import Config
 from corrallm.config.schema import ProcessSpec
 from corrallm.cost.economics import Economics
 from corrallm.cost.ledger import Ledger, Visit
+from corrallm.extras import MissingExtra
 from corrallm.lifecycle.errors import LifecycleError
 from corrallm.lifecycle.pauses import Pauses
 from corrallm.lifecycle.probe import HealthProbe
@@ -41,6 +45,7 @@ from corrallm.observe.events import EventBus
 from corrallm.observe.live import LiveRequests
 from corrallm.observe.metrics import Metrics
 from corrallm.observe.telemetry import Telemetry
+from corrallm.observe.traces import Tracer, tracer_for
 from corrallm.peers.catalog import PeerView
 from corrallm.peers.endpoint import PeerEndpoint
 from corrallm.peers.nodes import Nodes
@@ -116,6 +121,9 @@ class Gateway:
         )
         self.telemetry.subscribe(self.bus)
         self._place(self.topology)
+        # E2: None unless telemetry.otlp is set (the SDK loaded, or MissingExtra); last,
+        # as its exporter starts a thread.
+        self.tracer: Tracer | None = tracer_for(config.telemetry)
 
     # -- the topology in force -----------------------------------------------------------
 
@@ -160,8 +168,22 @@ class Gateway:
         self.captures.reconfigure(config)
         self.keys.reconfigure(config.keys)
         self.callers.reconfigure(config)
+        if config.telemetry != previous.config.telemetry:
+            self._retrace(config)
         self._swap(config)
         return previous
+
+    def _retrace(self, config: Config) -> None:
+        """E2: the new `telemetry` in force. The old tracer sends what it queued, off the
+        event loop; requests under way at the switch end on it and lose their spans."""
+        old = self.tracer
+        try:
+            self.tracer = tracer_for(config.telemetry)
+        except MissingExtra as exc:
+            log.error("telemetry: %s; requests are not traced", exc)
+            self.tracer = None
+        if old is not None:
+            threading.Thread(target=old.close, name="corrallm-traces", daemon=True).start()
 
     def refresh_peers(self) -> None:
         """X1: a peer's models changed (or it connected): the same config, new routes."""
@@ -293,6 +315,9 @@ class Gateway:
             finally:
                 await self.store.close()
         await self.probe.close()
+        if self.tracer is not None:  # E2: queued spans sent, bounded (a collector down)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(asyncio.to_thread(self.tracer.close), TRACES_CLOSE_SECONDS)
 
     def preload(self) -> None:
         """R3: persistent models are loaded at boot (and after a reload), unless paused."""
@@ -322,6 +347,7 @@ async def _preload(served: ServedModel) -> None:
 
 
 REAPER_SECONDS = 1.0
+TRACES_CLOSE_SECONDS = 5.0  # at shutdown: the spans still queued, sent within this
 QUEUE_SAMPLE_SECONDS = 5.0
 PRUNE_SECONDS = 3600.0
 

@@ -16,6 +16,7 @@ from corrallm.api.auth import ensure_token
 from corrallm.app import CorrallmApp
 from corrallm.config import Config
 from corrallm.config.units import format_size, parse_address
+from corrallm.extras import MissingExtra
 from corrallm.gateway import Gateway
 from corrallm.http.bodies import BodyLimits
 from corrallm.http.connection import protocol_class
@@ -24,7 +25,6 @@ from corrallm.lifecycle.process import listener_of
 from corrallm.observe.events import buffer_from_env
 from corrallm.observe.redaction import Redactor, install
 from corrallm.store.home import secure_home
-from corrallm.store.location import MissingExtra
 
 # Open streams get this long to finish on SIGTERM/SIGINT before they are cut and every
 # backend is stopped.
@@ -150,7 +150,7 @@ def _build(
             options.activity_retention,
             options.config_path,
         )
-    except MissingExtra as exc:  # one line naming the extra, not a traceback (X5)
+    except MissingExtra as exc:  # one line naming the extra, not a traceback (X5, E2)
         raise SystemExit(f"corrallm serve: {exc}") from None
     gateway.events.limit = event_buffer  # T5: bytes queued per events subscriber
     token = ensure_token(options.home)

@@ -752,6 +752,55 @@ class OllamaConfig(Section):
         return value
 
 
+class Otlp(Section):
+    """Where traces go: an OpenTelemetry collector's OTLP/HTTP receiver (SPEC §23 E2)."""
+
+    endpoint: str = Field(
+        description="the collector's base URL, e.g. http://collector:4318; spans are "
+        "POSTed to <endpoint>/v1/traces"
+    )
+    headers: dict[str, Text] = Field(
+        default_factory=dict,
+        description="sent with every export (e.g. the collector's API key); redacted from "
+        "the log and captures",
+    )
+
+    @field_validator("endpoint")
+    @classmethod
+    def _base_url(cls, value: str) -> str:
+        url = value.strip().rstrip("/")
+        if not re.fullmatch(r"https?://[^\s/?#]+(/[^\s?#]*)?", url):
+            raise ValueError(
+                f"'{value}' is not an http(s) URL; give the collector's OTLP/HTTP address, "
+                "e.g. http://collector:4318"
+            )
+        if url.endswith("/v1/traces"):
+            raise ValueError(
+                f"give the collector's base URL ('{url.removesuffix('/v1/traces')}'): "
+                "corrallm adds /v1/traces itself"
+            )
+        return url
+
+
+class TelemetryConfig(Section):
+    """OpenTelemetry traces of requests (SPEC §23 E2): off unless `otlp` is set."""
+
+    model_config = ConfigDict(title="Telemetry")  # its name in schemas, GraphQL and docs
+
+    otlp: Otlp | None = Field(
+        None,
+        description="export spans over OTLP/HTTP there (needs the `otel` extra: pip "
+        "install 'corrallm[otel]'); unset: nothing is loaded, whatever OTEL_* says",
+    )
+    sample_ratio: float = Field(
+        1.0,
+        ge=0,
+        le=1,
+        description="the share of requests without a sampled parent that are traced (a "
+        "client's traceparent decides for its own requests)",
+    )
+
+
 class Peer(Section):
     """Another corrallm node whose models this gateway also serves (SPEC §19 X1)."""
 
@@ -782,6 +831,7 @@ class Config(Section):
     capture: CaptureConfig = Field(default_factory=CaptureConfig)
     auth: Auth = Field(default_factory=Auth)
     ollama: OllamaConfig = Field(default_factory=OllamaConfig)
+    telemetry: TelemetryConfig = Field(default_factory=TelemetryConfig)
     max_body_size: Size = 64 * 10**6
     peers: dict[str, Peer] = Field(
         default_factory=dict, description="other corrallm nodes, by name (SPEC §19 X1)"

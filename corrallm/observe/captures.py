@@ -85,9 +85,9 @@ class Secrets:
     """What is redacted, gathered once per config: header names never shown, and the
     values looked for in bodies and other headers: the backends' configured header values
     (and their credentials), every backend's and extension's `env` values, every peer's
-    token and the gateway's own secrets (`own`: the admin token). Key secrets are known
-    only by digest: `key_secrets` finds them. `texts` are the same values as text, for
-    the gateway's log (observe/redaction.py)."""
+    token, the trace collector's header values (E2) and the gateway's own secrets (`own`:
+    the admin token). Key secrets are known only by digest: `key_secrets` finds them.
+    `texts` are the same values as text, for the gateway's log (observe/redaction.py)."""
 
     names: frozenset[str]
     values: tuple[bytes, ...]
@@ -105,6 +105,9 @@ class Secrets:
             # T5: a backend's env holds its API keys as often as its headers do
             values.update(value.encode() for value in spec.env.values())
         values.update(peer.token.encode() for peer in config.peers.values())
+        otlp = config.telemetry.otlp
+        for value in otlp.headers.values() if otlp is not None else ():
+            values.update(credentials(value.encode()))  # E2: a collector's API key
         values.update(secret.encode() for secret in own)
         kept = _longest_first(values)
         return cls(frozenset(names), kept, tuple(v.decode("utf-8", "replace") for v in kept))

@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import itertools
 import secrets
+from collections.abc import MutableMapping
 from contextvars import ContextVar
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
     from corrallm.auth.callers import Caller
@@ -41,6 +42,7 @@ class Tee(Protocol):
 @dataclass(slots=True)
 class Exchange:
     id: str
+    scope: MutableMapping[str, Any] | None = None  # the request's ASGI scope (E2: its headers)
     capture: Tee | None = None
     visit: Visit | None = None  # set by the pipeline once the request is admitted to it
     answered: bool = False  # the head of an answer went out to the client

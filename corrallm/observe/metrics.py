@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 from bisect import bisect_left
 from collections import Counter, defaultdict
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
 from prometheus_client import CollectorRegistry, generate_latest
@@ -22,6 +22,7 @@ from prometheus_client.core import (
 )
 
 from corrallm.lifecycle.state import State
+from corrallm.observe.fleet import fleet_gauges
 
 if TYPE_CHECKING:
     from corrallm.config import Config
@@ -29,7 +30,7 @@ if TYPE_CHECKING:
     from corrallm.lifecycle.supervisor import Supervisor
     from corrallm.peers.nodes import Nodes
     from corrallm.residency.manager import Residency
-    from corrallm.routing.router import Route
+    from corrallm.routing.router import Route, ServedModel
     from corrallm.scheduler.admission import Admission
 
 
@@ -42,6 +43,8 @@ class Observed(Protocol):
     def admission(self) -> Admission: ...
     @property
     def routes(self) -> Mapping[str, Route]: ...
+    @property
+    def served(self) -> Sequence[ServedModel]: ...
     @property
     def supervisors(self) -> Mapping[str, Supervisor]: ...
     @property
@@ -184,6 +187,7 @@ class Metrics:
             waiting.add_metric([backend], queued)
             capacity.add_metric([backend], slots)
         yield from (in_flight, waiting, capacity)
+        yield from fleet_gauges(self.gateway.served, core.load)
         state = GaugeMetricFamily(
             "corrallm_backend_state",
             "1 for the state each backend is in",

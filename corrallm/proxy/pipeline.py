@@ -315,6 +315,12 @@ class Pipeline:
         visit.stream = inbound.stream
         visit.user = exchange.user if exchange is not None else inbound.user
         live = rt.live.enter(visit)
+        trace = None
+        tracer = rt.tracer
+        if tracer is not None:  # E2: off, this and `trace`'s test at the end are all it costs
+            scope = exchange.scope if exchange is not None else None
+            headers = scope["headers"] if scope is not None else None
+            trace = tracer.begin(visit, inbound.model, inbound.limit, headers)
         # The request's one record of why it stopped early, shared by whoever may stop
         # it: its ticket (admission), its live entry (an operator), its client's watch.
         stop = Stop(live.task)
@@ -351,6 +357,8 @@ class Pipeline:
             visit.queue_ms, visit.load_ms = flight.waited.queue_ms, flight.waited.load_ms
             rt.live.leave(live)
             rt.settle(visit)
+            if trace is not None:
+                trace.end(visit, live.state == "running")
 
     async def run_http(
         self,

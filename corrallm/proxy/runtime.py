@@ -19,6 +19,7 @@ if TYPE_CHECKING:
     from corrallm.config.schema import Config
     from corrallm.cost.ledger import Ledger, Visit
     from corrallm.observe.live import LiveRequests
+    from corrallm.observe.traces import Tracer
     from corrallm.routing.router import Route, ServedModel
     from corrallm.scheduler.admission import Admission
 
@@ -40,6 +41,7 @@ class Runtime(Protocol):
     ledger: Ledger
     throttle: Throttle
     live: LiveRequests
+    tracer: Tracer | None  # E2: None unless telemetry.otlp is set
 
     def caller(self, key: str | None, signed: str | None = None) -> Caller: ...
 

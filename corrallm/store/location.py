@@ -6,12 +6,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from corrallm.extras import missing_extra
 from corrallm.store.db import URL_SCHEMES, Store
-
-
-class MissingExtra(Exception):
-    """The store asked for needs an optional extra that is not installed; the message is
-    the one line to show, naming the extra and how to install it."""
 
 
 def store_at(db: Path | str) -> Store:
@@ -19,13 +15,14 @@ def store_at(db: Path | str) -> Store:
         try:
             from corrallm.store.postgres import PostgresStore  # psycopg: the `postgres` extra
         except ImportError as exc:
-            if not (exc.name or "psycopg").startswith("psycopg"):
+            missing = missing_extra(
+                exc,
+                "psycopg",
+                f"--db {db.split(':', 1)[0]}://… needs the PostgreSQL driver psycopg",
+                "postgres",
+            )
+            if missing is None:
                 raise
-            reason = (str(exc).splitlines() or [type(exc).__name__])[0]
-            raise MissingExtra(
-                f"--db {db.split(':', 1)[0]}://… needs the PostgreSQL driver psycopg, which "
-                f"could not be loaded ({reason}): install the postgres extra, "
-                "pip install 'corrallm[postgres]'"
-            ) from None
+            raise missing from None
         return PostgresStore(db)
     return Store(Path(db).expanduser())

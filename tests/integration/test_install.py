@@ -13,7 +13,8 @@ and that environment must
   for those of an optional extra, each named with its extra.
 
 The same environment shows what `--db postgresql://…` says without the `postgres` extra
-(SPEC §19 X5): one line naming `corrallm[postgres]`, and a non-zero exit.
+(SPEC §19 X5), and `telemetry.otlp` without the `otel` extra (§23 E2): one line naming
+`corrallm[postgres]` (`corrallm[otel]`), and a non-zero exit.
 """
 
 from __future__ import annotations
@@ -38,7 +39,13 @@ ROOT = Path(corrallm.__file__).resolve().parent.parent
 PACKAGE = ROOT / "corrallm"
 # Modules that only an optional extra provides (pyproject.toml's optional-dependencies):
 # the code imports them only when the feature is asked for.
-EXTRAS = {"psycopg": "postgres", "psycopg_pool": "postgres", "pynvml": "gpu"}
+# (opentelemetry: its API also comes with FastAPI; the SDK and exporter only with `otel`.)
+EXTRAS = {
+    "psycopg": "postgres",
+    "psycopg_pool": "postgres",
+    "pynvml": "gpu",
+    "opentelemetry": "otel",
+}
 # Imports that are not distributions: the package itself, and typing-only stubs' names.
 NOT_DISTRIBUTIONS = {"corrallm", "_typeshed"}
 
@@ -158,3 +165,29 @@ def test_issue30_X5_a_postgresql_store_without_the_extra_is_one_line_naming_it(
     assert "Traceback" not in done.stderr, done.stderr
     (line,) = done.stderr.strip().splitlines()  # one line, nothing else
     assert "pip install 'corrallm[postgres]'" in line and "psycopg" in line, line
+
+
+def test_E2_traces_without_the_extra_are_one_line_naming_it(
+    runtime_env: Path, tmp_path: Path
+) -> None:
+    config = tmp_path / "corrallm.yaml"
+    config.write_text("telemetry: {otlp: {endpoint: 'http://127.0.0.1:9'}}\n")
+    done = subprocess.run(
+        [
+            str(runtime_env / "corrallm"),
+            "serve",
+            "--home",
+            str(tmp_path / "home"),
+            "--config",
+            str(config),
+        ],
+        capture_output=True,
+        text=True,
+        env=_clean_env(ADDR=f"127.0.0.1:{free_port()}"),
+        cwd=tmp_path,
+        timeout=60,
+    )
+    assert done.returncode != 0
+    assert "Traceback" not in done.stderr, done.stderr
+    (line,) = done.stderr.strip().splitlines()  # one line, nothing else
+    assert "pip install 'corrallm[otel]'" in line and "telemetry.otlp" in line, line

@@ -80,3 +80,18 @@ async def test_P6_R5_D1_C6_a_reload_keeps_the_owners_and_their_subscriptions(
         "wakes": {"kept#0": (2, 2), "added#0": (1, 1)},
         "ready transitions": {"kept#0": 2, "added#0": 1},
     }
+
+
+async def test_P6_E2_a_reload_sets_changes_and_unsets_the_tracer(tmp_path: Path) -> None:
+    gw = Gateway(load_config_text(BEFORE), tmp_path)
+    assert gw.tracer is None
+    traced = BEFORE + "telemetry:\n  otlp: {endpoint: 'http://127.0.0.1:9'}\n"
+    gw.reconfigure(load_config_text(traced))
+    first = gw.tracer
+    assert first is not None
+    gw.reconfigure(load_config_text(traced + "  \n"))  # the same telemetry: the same tracer
+    assert gw.tracer is first
+    gw.reconfigure(load_config_text(traced + "  sampleRatio: 0.5\n"))  # changed: a new one
+    assert gw.tracer is not None and gw.tracer is not first
+    gw.reconfigure(load_config_text(BEFORE))
+    assert gw.tracer is None

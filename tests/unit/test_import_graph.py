@@ -138,7 +138,10 @@ LAYERS: dict[str, set[str]] = {
     # the upstream client); -> config for the size units of `maxBodySize`.
     "http": {"config"},
     "fake_backend": set(),
-    "store": set(),
+    # What a feature says when its optional extra is not installed (X5, E2).
+    "extras": set(),
+    # -> extras: the PostgreSQL driver is the `postgres` extra.
+    "store": {"extras"},
     "tools": {"config"},
     # Owners of one noun each.
     "auth": {"config", "store"},
@@ -148,10 +151,14 @@ LAYERS: dict[str, set[str]] = {
     "routing": {"config", "lifecycle"},
     "residency": {"config", "lifecycle", "store"},
     "scheduler": {"config", "routing"},
+    # -> extras: the OpenTelemetry SDK is the `otel` extra; -> (root): the version on
+    # the spans' resource.
     "observe": {
+        "(root)",
         "auth",
         "config",
         "cost",
+        "extras",
         "lifecycle",
         "peers",
         "residency",
@@ -160,10 +167,12 @@ LAYERS: dict[str, set[str]] = {
     },
     # The runtime: the topology the config makes, and the gateway holding the owners.
     "topology": {"config", "lifecycle", "peers", "residency", "routing"},
+    # -> extras: a reload that turns traces on without the `otel` extra is logged.
     "gateway": {
         "auth",
         "config",
         "cost",
+        "extras",
         "lifecycle",
         "observe",
         "peers",
@@ -208,7 +217,18 @@ LAYERS: dict[str, set[str]] = {
     "ui": {"(root)", "api", "config", "gateway", "http", "proxy", "store"},
     # The process: the ASGI app, the server, the command line.
     "app": {"api", "config", "gateway", "http", "observe", "peers", "proxy", "ui"},
-    "server": {"api", "app", "config", "gateway", "http", "lifecycle", "observe", "proxy", "store"},
+    "server": {
+        "api",
+        "app",
+        "config",
+        "extras",
+        "gateway",
+        "http",
+        "lifecycle",
+        "observe",
+        "proxy",
+        "store",
+    },
     "cli": {
         "(root)",
         "api",

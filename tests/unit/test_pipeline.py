@@ -11,7 +11,7 @@ Each test is a sequence of events and one equality assert on the history.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -26,6 +26,8 @@ from corrallm.lifecycle.errors import RETIRED
 from corrallm.lifecycle.state import State
 from corrallm.observe.events import EventBus
 from corrallm.observe.live import LiveRequests
+from corrallm.observe.spans import SpanRecord
+from corrallm.observe.traces import Tracer
 from corrallm.proxy.forward import DisconnectWatch
 from corrallm.proxy.pipeline import Admitted, Inbound, Pipeline
 from corrallm.proxy.runtime import Runtime
@@ -94,6 +96,7 @@ class World:
         self.ledger: Any = _Ledger()
         self.throttle: Any = None
         self.live = LiveRequests(EventBus())
+        self.tracer: Tracer | None = None  # E2: set by a test that traces
         ring = KeyRing()
         ring.reconfigure(self.config.keys)
         self.callers = Callers(self.config, ring)
@@ -227,6 +230,40 @@ async def test_S4_a_preempted_request_that_sent_nothing_waits_again_and_is_serve
         ["victim on m#one", "taker on m#one", "taker done", "victim on m#one", "victim done"],
         [(False, 200), (True, 200)],  # the taker settled first
     )
+
+
+class Spans:
+    """A tracer's sink that keeps what it is given (E2)."""
+
+    def __init__(self) -> None:
+        self.got: list[list[SpanRecord]] = []
+
+    def export(self, trace_id: int, spans: Sequence[SpanRecord]) -> None:
+        self.got.append(list(spans))
+
+    def close(self) -> None:
+        pass
+
+
+async def test_E2_S4_a_preempted_request_is_one_trace_one_queue_one_upstream_span(
+    world: World,
+) -> None:
+    sink = Spans()
+    world.tracer = Tracer(sink)
+    victim, taker = Surface(world, "victim"), Surface(world, "taker")
+    first = start(world, victim)
+    await turns()
+    second = start(world, taker, "urgent-key")
+    await turns()
+    taker.go.set()
+    victim.go.set()
+    await asyncio.gather(first, second)
+    names = [[s.name for s in spans] for spans in sink.got]
+    assert names == [["chat m", "queue", "upstream"], ["chat m", "queue", "upstream"]]
+    victim_spans = sink.got[1]  # the taker settled first
+    request, queue, upstream = victim_spans
+    assert request.start_ns <= queue.start_ns <= queue.end_ns <= upstream.start_ns
+    assert upstream.end_ns == request.end_ns
 
 
 async def test_S4_a_stream_under_way_is_ended_at_an_event_boundary_when_preempted(
