@@ -103,13 +103,18 @@ def openai_error_event(error: ApiError) -> bytes:
 
 class QueueNote:
     """What a queued client is told (K4): its place by arrival among those waiting for
-    the backend, and when a slot is expected (the measured average dwell)."""
+    the backend, and when a slot is expected (the measured average dwell). `since`: when
+    the request joined a queue (None while it has not: admitted at once, it waited 0 ms
+    for a slot, however long the admission's own work took on a busy machine)."""
 
     def __init__(self, core: Scheduler, backend: str, request_id: int | None = None) -> None:
         self.core, self.backend, self.request_id = core, backend, request_id
+        # A note made with the request's id is for one already queued (requeued, S4).
+        self.since = None if request_id is None else time.monotonic()
 
     def queued(self, request_id: int) -> None:
         self.request_id = request_id
+        self.since = time.monotonic()
 
     def __call__(self) -> str:
         place = None if self.request_id is None else self.core.position(self.request_id)
