@@ -156,9 +156,11 @@ class LeanCycle(RequestResponseCycle):
         # opcode per header (a dozen on most answers; bench/opcodes.py).
         names = [*map(_LOWER, map(_NAME, headers))]
         values = [*map(_VALUE, headers)]
-        content = [STATUS_LINE[status], *chain.from_iterable(zip(names, _COLON, values, _CRLF))]
+        lines = zip(names, _COLON, values, _CRLF, strict=False)  # the separators repeat
+        content = [STATUS_LINE[status], *chain.from_iterable(lines)]
         has_connection_close = False
-        for name, value in compress(zip(names, values), map(_FRAMING.__contains__, names)):
+        framing = map(_FRAMING.__contains__, names)
+        for name, value in compress(zip(names, values, strict=True), framing):
             if name == b"content-length":
                 if self.chunked_encoding is None:
                     self.expected_content_length = int(value.decode())

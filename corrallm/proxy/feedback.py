@@ -45,6 +45,8 @@ class Waited:
     def raw(self) -> list[tuple[bytes, bytes]]:
         """`X-Corrallm-Queue-Ms` and `X-Corrallm-Load-Ms`, on every answer (K4), as its
         head carries them."""
+        if not self.queue_ms and not self.load_ms:  # most answers: no wait to format
+            return [(WAITED[0], b"0"), (WAITED[1], b"0")]
         return [(WAITED[0], b"%d" % round(self.queue_ms)), (WAITED[1], b"%d" % round(self.load_ms))]
 
     def headers(self) -> dict[str, str]:
@@ -107,10 +109,12 @@ class QueueNote:
     the request joined a queue (None while it has not: admitted at once, it waited 0 ms
     for a slot, however long the admission's own work took on a busy machine)."""
 
+    since: float | None = None
+
     def __init__(self, core: Scheduler, backend: str, request_id: int | None = None) -> None:
         self.core, self.backend, self.request_id = core, backend, request_id
-        # A note made with the request's id is for one already queued (requeued, S4).
-        self.since = None if request_id is None else time.monotonic()
+        if request_id is not None:  # a note for a request queued already (requeued, S4)
+            self.since = time.monotonic()
 
     def queued(self, request_id: int) -> None:
         self.request_id = request_id

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Awaitable, Callable, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, cast
 from urllib.parse import urlsplit
@@ -110,7 +110,7 @@ class Admitted:
         return self.ticket.progress
 
     def upstream_headers(
-        self, raw: Iterable[tuple[bytes, bytes]], url: str, method: str = "POST"
+        self, raw: Sequence[tuple[bytes, bytes]], url: str, method: str = "POST"
     ) -> Headers:
         """The request's headers for its backend: the caller's identity left out, the
         backend's own `headers` added, and across a hop the caller's lane, signed (X3)
@@ -570,9 +570,7 @@ class _Flight:
         try:
             if self.narrator is None:
                 return await admit
-            return await self.narrator.over(
-                admit, note, lambda: self._so_far(note.since, "queue")
-            )
+            return await self.narrator.over(admit, note, lambda: self._so_far(note.since, "queue"))
         finally:
             if note.since is not None:
                 self.waited.queue_ms += (time.monotonic() - note.since) * 1000
