@@ -208,6 +208,33 @@ def start(
     return asyncio.create_task(run())
 
 
+async def holder_then(
+    world: World,
+    holder: Surface,
+    second: Surface,
+    key: str = "batch-key",
+    watch: Callable[[], DisconnectWatch] | None = None,
+) -> tuple[asyncio.Task[None], asyncio.Task[None]]:
+    """`holder` takes the model's one slot, then `second` arrives: queued behind it, or
+    preempting it with the urgent key."""
+    first = start(world, holder)
+    await turns()
+    later = start(world, second, key, watch)
+    await turns()
+    return first, later
+
+
+def leaving() -> tuple[asyncio.Event, Callable[[], DisconnectWatch]]:
+    """A client that goes away once the event is set, and how its watch is made."""
+    gone = asyncio.Event()
+
+    async def receive() -> dict[str, Any]:
+        await gone.wait()
+        return {"type": "http.disconnect"}
+
+    return gone, lambda: DisconnectWatch(receive)
+
+
 def live_id(world: World, index: int = 0) -> str:
     return [v["id"] for v in world.live.views()][index]
 
@@ -216,10 +243,7 @@ async def test_S4_a_preempted_request_that_sent_nothing_waits_again_and_is_serve
     world: World,
 ) -> None:
     victim, taker = Surface(world, "victim"), Surface(world, "taker")
-    first = start(world, victim)
-    await turns()
-    second = start(world, taker, "urgent-key")
-    await turns()
+    first, second = await holder_then(world, victim, taker, "urgent-key")
     taker.go.set()
     victim.go.set()
     await asyncio.gather(first, second)
@@ -233,10 +257,7 @@ async def test_S4_a_stream_under_way_is_ended_at_an_event_boundary_when_preempte
     world: World,
 ) -> None:
     victim, taker = Surface(world, "victim", "stream"), Surface(world, "taker")
-    first = start(world, victim)
-    await turns()
-    second = start(world, taker, "urgent-key")
-    await turns()
+    first, second = await holder_then(world, victim, taker, "urgent-key")
     taker.go.set()
     await asyncio.gather(first, second)
     assert (world.history, victim.attempts) == (
@@ -249,10 +270,7 @@ async def test_S4_a_held_answer_is_not_cut_by_a_preemption_the_taker_waits(
     world: World,
 ) -> None:
     victim, taker = Surface(world, "victim", "body"), Surface(world, "taker")
-    first = start(world, victim)
-    await turns()
-    second = start(world, taker, "urgent-key")
-    await turns()
+    first, second = await holder_then(world, victim, taker, "urgent-key")
     victim.go.set()
     taker.go.set()
     await asyncio.gather(first, second)
@@ -261,10 +279,7 @@ async def test_S4_a_held_answer_is_not_cut_by_a_preemption_the_taker_waits(
 
 async def test_O1_a_request_cancelled_while_queued_is_a_503_cancelled(world: World) -> None:
     holder, waiter = Surface(world, "holder"), Surface(world, "waiter")
-    first = start(world, holder)
-    await turns()
-    second = start(world, waiter)
-    await turns()
+    first, second = await holder_then(world, holder, waiter)
     world.live.cancel(live_id(world, 1))
     await turns()
     holder.go.set()
@@ -301,10 +316,7 @@ async def test_P6_a_reload_retiring_the_backend_while_queued_routes_the_request_
     world: World,
 ) -> None:
     holder, waiter = Surface(world, "holder"), Surface(world, "waiter")
-    first = start(world, holder)
-    await turns()
-    second = start(world, waiter)
-    await turns()
+    first, second = await holder_then(world, holder, waiter)
     world.reload("two")
     holder.go.set()
     waiter.go.set()
@@ -363,13 +375,8 @@ async def test_X4_a_peer_down_after_the_head_ends_the_stream_with_peer_down(
 
 async def test_S7_a_client_gone_mid_request_is_recorded_as_499(world: World) -> None:
     work = Surface(world, "req", "stream")
-    gone = asyncio.Event()
-
-    async def receive() -> dict[str, Any]:
-        await gone.wait()
-        return {"type": "http.disconnect"}
-
-    task = start(world, work, watch=lambda: DisconnectWatch(receive))
+    gone, watch = leaving()
+    task = start(world, work, watch=watch)
     await turns()
     gone.set()
     await task
@@ -378,16 +385,8 @@ async def test_S7_a_client_gone_mid_request_is_recorded_as_499(world: World) -> 
 
 async def test_S7_a_client_gone_while_queued_frees_its_place_as_499(world: World) -> None:
     holder, waiter = Surface(world, "holder"), Surface(world, "waiter")
-    gone = asyncio.Event()
-
-    async def receive() -> dict[str, Any]:
-        await gone.wait()
-        return {"type": "http.disconnect"}
-
-    first = start(world, holder)
-    await turns()
-    second = start(world, waiter, watch=lambda: DisconnectWatch(receive))
-    await turns()
+    gone, watch = leaving()
+    first, second = await holder_then(world, holder, waiter, watch=watch)
     gone.set()
     await turns()
     holder.go.set()
