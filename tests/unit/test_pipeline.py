@@ -1,4 +1,4 @@
-"""SPEC §6 S4/S7, §10 P6, §21 O1, X4: the request pipeline replaying scripted histories, as
+"""SPEC §6 S4/S7, §10 P6, §16 K4, §21 O1, X4: the request pipeline replaying scripted histories, as
 test_supervisor.py does for the supervisor. The runtime is a fake (`World`: the real
 admission and live-request owners, fake endpoints, a ledger that never refuses), the
 surface's work is a script that says how far its answer got (`admitted.progress`), and
@@ -11,6 +11,7 @@ Each test is a sequence of events and one equality assert on the history.
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -411,3 +412,25 @@ async def test_S4_an_upstream_that_falls_silent_is_a_504_and_its_slot_is_freed(
         "after on m#one",
         "after done",
     ]
+
+
+class Stalling(Admission):
+    """An admission whose thread loses 20 ms inside `acquire` and then admits at once, as
+    on a busy machine (another thread holding the GIL, the process descheduled)."""
+
+    async def acquire(self, *args: Any, **kwargs: Any) -> Any:
+        lost = time.monotonic() + 0.02
+        while time.monotonic() < lost:  # the stall itself: no await, nothing queued
+            pass
+        return await super().acquire(*args, **kwargs)
+
+
+async def test_K4_queue_ms_count_only_a_wait_in_a_queue(world: World) -> None:
+    world.admission = Stalling(world.config, {r.id: r for r in world.served_model.routes})
+    holder, waiter = Surface(world, "holder"), Surface(world, "waiter")
+    first, second = await holder_then(world, holder, waiter)
+    holder.go.set()
+    waiter.go.set()
+    await asyncio.gather(first, second)
+    # The holder was admitted at once (0 ms, whatever the stall); the waiter queued.
+    assert [(v.queue_ms > 0, v.status) for v in world.settled] == [(False, 200), (True, 200)]
