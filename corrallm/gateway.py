@@ -211,15 +211,14 @@ class Gateway:
         """Whether a route taken before a config reload no longer leads to a backend of
         the config in force (removed, or replaced by one with a new spec)."""
         endpoint = route.endpoint
-        described = endpoint.describe()
-        if described.kind == "peer" and not endpoint.available():
+        if endpoint.kind == "peer" and not endpoint.available():
             return True  # X4: its peer went down while the request waited for it
-        return route.id not in self.routes or described.retired
+        return route.id not in self.routes or endpoint.retired
 
     def placeable(self, route: Route) -> bool:
         """Could this route serve now without waiting for memory (R2 spill)?"""
         endpoint = route.endpoint
-        return endpoint.describe().kind != "process" or self.residency.could_fit(endpoint)
+        return endpoint.kind != "process" or self.residency.could_fit(endpoint)
 
     # -- the rest of what a request asks (proxy/runtime.py's Runtime) ---------------------
 

@@ -70,9 +70,9 @@ def _is_optional_dict(annotation: Any) -> bool:
 
 
 def build(model: type[BaseModel], data: BaseModel | dict[str, Any]) -> Any:
-    """A service's view as the Strawberry object of `model`'s GraphQL type. A service that
-    still answers with a dict is read as the view first, as REST reads it (its declared
-    defaults; a missing field is an error): GraphQL fills nothing in of its own."""
+    """A service's view as the Strawberry object of `model`'s GraphQL type. A plain dict
+    is read as the view first, as REST would read it (its declared defaults; a missing
+    field is an error): GraphQL fills nothing in of its own."""
     if isinstance(data, model):
         return _strawberry(model, data, None)
     return _strawberry(model, model.model_validate(data), data)

@@ -11,7 +11,7 @@ from typing import Any
 
 import pydantic
 
-from corrallm.api.schemas import KeyCreate
+from corrallm.api.schemas import KeyCreate, KeyRevoked, Keys, KeyView, KeyWithSecret
 from corrallm.api.service import store_unavailable
 from corrallm.auth.keys import expiry
 from corrallm.auth.runtime import KeyExists, KeyInConfig, KeyNotFound, RuntimeKeyRecord
@@ -23,21 +23,21 @@ from corrallm.http.errors import ApiError
 from corrallm.store.db import StoreUnavailable
 
 
-def list_keys(gw: Gateway) -> dict[str, Any]:
+def list_keys(gw: Gateway) -> Keys:
     """Config keys (in config order, short-form ones by their `key-<8 hex>` name), then
     the runtime ones by name; a runtime key a config key of its name shadows left out."""
     used = gw.runtime_keys.last_used
     rows = [
-        {**_fields(name, key, "config"), "last_used": rfc3339(used.get(name))}
+        KeyView(**_fields(name, key, "config"), last_used=rfc3339(used.get(name)))
         for name, key in gw.config.keys.items()
     ]
     for name, record in sorted(gw.runtime_keys.records.items()):
         if name not in gw.config.keys:
-            rows.append({**_api_fields(record), "last_used": rfc3339(used.get(name))})
-    return {"keys": rows}
+            rows.append(KeyView(**_api_fields(record), last_used=rfc3339(used.get(name))))
+    return Keys(keys=rows)
 
 
-async def create_key(gw: Gateway, fields: Mapping[str, Any]) -> dict[str, Any]:
+async def create_key(gw: Gateway, fields: Mapping[str, Any]) -> KeyWithSecret:
     """A new key; its secret is in this answer and nowhere else."""
     spec = _parse(gw, fields)
     policy = KeyPolicy.model_validate(spec.model_dump(exclude={"name"}))
@@ -47,10 +47,10 @@ async def create_key(gw: Gateway, fields: Mapping[str, Any]) -> dict[str, Any]:
         raise _exists(exc) from exc
     except StoreUnavailable as exc:
         raise store_unavailable(exc, f"create the key '{spec.name}'") from exc
-    return {**_api_fields(record), "secret": secret}
+    return KeyWithSecret(**_api_fields(record), secret=secret)
 
 
-async def rotate_key(gw: Gateway, name: str) -> dict[str, Any]:
+async def rotate_key(gw: Gateway, name: str) -> KeyWithSecret:
     """A new secret for a runtime key; the old one is refused from now on."""
     try:
         record, secret = await gw.runtime_keys.rotate(name)
@@ -58,10 +58,10 @@ async def rotate_key(gw: Gateway, name: str) -> dict[str, Any]:
         raise _unchangeable(exc, name, "rotated") from exc
     except StoreUnavailable as exc:
         raise store_unavailable(exc, f"rotate the key '{name}'") from exc
-    return {**_api_fields(record), "secret": secret}
+    return KeyWithSecret(**_api_fields(record), secret=secret)
 
 
-async def revoke_key(gw: Gateway, name: str) -> dict[str, Any]:
+async def revoke_key(gw: Gateway, name: str) -> KeyRevoked:
     """A runtime key is refused from the next request on, and no longer listed."""
     try:
         await gw.runtime_keys.revoke(name)
@@ -69,7 +69,7 @@ async def revoke_key(gw: Gateway, name: str) -> dict[str, Any]:
         raise _unchangeable(exc, name, "revoked") from exc
     except StoreUnavailable as exc:
         raise store_unavailable(exc, f"revoke the key '{name}'") from exc
-    return {"name": name, "revoked": True}
+    return KeyRevoked(name=name, revoked=True)
 
 
 def groups(gw: Gateway) -> list[str]:

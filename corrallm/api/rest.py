@@ -177,22 +177,22 @@ def build_rest(gw: Gateway) -> FastAPI:
         return error(exc.status_code, message, "not_found" if exc.status_code == 404 else "error")
 
     @app.get(f"{PREFIX}/overview", response_model=schemas.Overview)
-    async def overview() -> dict[str, Any]:
+    async def overview() -> schemas.Overview:
         return service.overview(gw)
 
     @app.get(f"{PREFIX}/residency", response_model=schemas.ResidencyView)
-    async def residency() -> dict[str, Any]:
+    async def residency() -> schemas.ResidencyView:
         return service.residency(gw)
 
     @app.get(f"{PREFIX}/economics", response_model=schemas.EconomicsView)
-    async def economics() -> dict[str, Any]:
+    async def economics() -> schemas.EconomicsView:
         """The economics ledger (SPEC §11 D1): per backend of the config in force, wakes,
         sleeps, time asleep, wake latencies and the GPU-hours its sleeps returned; counted
         from install on, across reloads and restarts."""
         return service.economics(gw)
 
     @app.get(f"{PREFIX}/requests", response_model=schemas.LiveRequestsView)
-    async def live_requests() -> dict[str, Any]:
+    async def live_requests() -> schemas.LiveRequestsView:
         return service.live_requests(gw)
 
     @app.post(f"{PREFIX}/requests/{{request_id}}/cancel", response_model=schemas.CancelResult)
@@ -231,12 +231,12 @@ def build_rest(gw: Gateway) -> FastAPI:
         )
 
     @app.post(f"{PREFIX}/config/reload", response_model=schemas.ReloadResult)
-    async def reload_config() -> dict[str, Any]:
+    async def reload_config() -> schemas.ReloadResult:
         """Re-read the config file (as SIGHUP does); a bad one is refused, every problem named."""
         return await service.reload_config(gw)
 
     @app.get(f"{PREFIX}/lanes", response_model=schemas.Lanes)
-    async def lanes() -> dict[str, Any]:
+    async def lanes() -> schemas.Lanes:
         return service.lanes(gw)
 
     @app.get(f"{PREFIX}/models/logs", response_model=schemas.Logs)
@@ -246,73 +246,73 @@ def build_rest(gw: Gateway) -> FastAPI:
         return service.model_logs(gw, model, lines)
 
     @app.post(f"{PREFIX}/models/load", response_model=schemas.ActionResult)
-    async def load_model(body: schemas.ModelRef) -> dict[str, Any]:
+    async def load_model(body: schemas.ModelRef) -> schemas.ActionResult:
         """Load a model's backend; answers once it is ready (409 while busy, 423 paused)."""
         return await service.load_model(gw, body.model)
 
     @app.post(f"{PREFIX}/models/unload", response_model=schemas.ActionResult)
-    async def unload_model(body: schemas.ModelUnload) -> dict[str, Any]:
+    async def unload_model(body: schemas.ModelUnload) -> schemas.ActionResult:
         """Drain in-flight requests (unless `force`), then stop the model's processes."""
         return await service.unload_model(gw, body.model, body.force)
 
     @app.post(f"{PREFIX}/models/pause", response_model=schemas.PauseResult)
-    async def pause_model(body: schemas.ModelPause) -> dict[str, Any]:
+    async def pause_model(body: schemas.ModelPause) -> schemas.PauseResult:
         return await service.pause(gw, "model", body.model, body.until)
 
     @app.post(f"{PREFIX}/models/unpause", response_model=schemas.PauseResult)
-    async def unpause_model(body: schemas.ModelRef) -> dict[str, Any]:
+    async def unpause_model(body: schemas.ModelRef) -> schemas.PauseResult:
         return await service.unpause(gw, "model", body.model)
 
     @app.post(f"{PREFIX}/extensions/load", response_model=schemas.ActionResult)
-    async def load_extension(body: schemas.ExtensionRef) -> dict[str, Any]:
+    async def load_extension(body: schemas.ExtensionRef) -> schemas.ActionResult:
         return await service.load_extension(gw, body.extension)
 
     @app.post(f"{PREFIX}/extensions/unload", response_model=schemas.ActionResult)
-    async def unload_extension(body: schemas.ExtensionUnload) -> dict[str, Any]:
+    async def unload_extension(body: schemas.ExtensionUnload) -> schemas.ActionResult:
         return await service.unload_extension(gw, body.extension, body.force)
 
     @app.post(f"{PREFIX}/extensions/pause", response_model=schemas.PauseResult)
-    async def pause_extension(body: schemas.ExtensionPause) -> dict[str, Any]:
+    async def pause_extension(body: schemas.ExtensionPause) -> schemas.PauseResult:
         return await service.pause(gw, "extension", body.extension, body.until)
 
     @app.post(f"{PREFIX}/extensions/unpause", response_model=schemas.PauseResult)
-    async def unpause_extension(body: schemas.ExtensionRef) -> dict[str, Any]:
+    async def unpause_extension(body: schemas.ExtensionRef) -> schemas.PauseResult:
         return await service.unpause(gw, "extension", body.extension)
 
     @app.get(f"{PREFIX}/usage/by-key", response_model=schemas.UsageByKey)
-    async def usage_by_key(since: Since = None, until: Until = None) -> dict[str, Any]:
+    async def usage_by_key(since: Since = None, until: Until = None) -> schemas.UsageByKey:
         """Usage per (key, group) over `[since, until)`."""
         return await usage.usage_by_key(gw, since, until)
 
     @app.get(f"{PREFIX}/usage/by-user", response_model=schemas.UsageByUser)
-    async def usage_by_user(since: Since = None, until: Until = None) -> dict[str, Any]:
+    async def usage_by_user(since: Since = None, until: Until = None) -> schemas.UsageByUser:
         """Usage per (user, key) over `[since, until)`: the users that keys with
         `trustUserHeader` named in `auth.userHeader` (SPEC §22 T4)."""
         return await usage.usage_by_user(gw, since, until)
 
     @app.get(f"{PREFIX}/usage/rollup", response_model=schemas.UsageRollup)
-    async def usage_rollup(since: Since = None, until: Until = None) -> dict[str, Any]:
+    async def usage_rollup(since: Since = None, until: Until = None) -> schemas.UsageRollup:
         """Usage per (group, model) over `[since, until)`."""
         return await usage.usage_rollup(gw, since, until)
 
     @app.get(f"{PREFIX}/usage/series", response_model=schemas.UsageSeries)
     async def usage_series(
         since: Since = None, until: Until = None, bucket: Bucket = None
-    ) -> dict[str, Any]:
+    ) -> schemas.UsageSeries | schemas.UsageGroupSeries:
         """Usage per time bucket (aligned to the epoch; empty buckets have zero sums)."""
         return await usage.usage_series(gw, since, until, bucket)
 
     @app.get(f"{PREFIX}/usage/series-by-group", response_model=schemas.UsageGroupSeries)
     async def usage_series_by_group(
         since: Since = None, until: Until = None, bucket: Bucket = None
-    ) -> dict[str, Any]:
+    ) -> schemas.UsageSeries | schemas.UsageGroupSeries:
         """Usage per time bucket and group (every group seen in the range, every bucket)."""
         return await usage.usage_series(gw, since, until, bucket, by_group=True)
 
     @app.get(f"{PREFIX}/usage/queue-depth", response_model=schemas.QueueDepth)
     async def queue_depth(
         since: Since = None, until: Until = None, bucket: Bucket = None
-    ) -> dict[str, Any]:
+    ) -> schemas.QueueDepth:
         """Per bucket and backend, the peak of the queue samples (taken every few seconds)."""
         return await usage.queue_depth(gw, since, until, bucket)
 
@@ -325,14 +325,14 @@ def build_rest(gw: Gateway) -> FastAPI:
         since: Since = None,
         until: Until = None,
         user: str | None = Query(None, description="only the rows of this user (T4)"),
-    ) -> dict[str, Any]:
+    ) -> schemas.ActivityList:
         """The newest rows first: one per request and per backend load."""
         return await usage.activity(gw, limit, key, model, group, since, until, user)
 
     # -- keys (SPEC §22 T2) ----------------------------------------------------------------
 
     @app.get(f"{PREFIX}/keys", response_model=schemas.Keys)
-    async def list_keys() -> dict[str, Any]:
+    async def list_keys() -> schemas.Keys:
         """Every key by name (config and API ones); never a secret or a digest."""
         return keys.list_keys(gw)
 
@@ -344,7 +344,7 @@ def build_rest(gw: Gateway) -> FastAPI:
     )
     async def create_key(
         body: Annotated[dict[str, Any], Body(json_schema_extra=schemas.KEY_CREATE_SCHEMA)],
-    ) -> dict[str, Any]:
+    ) -> schemas.KeyWithSecret:
         """Make a key; its `secret` is in this answer and nowhere else (the store keeps its
         SHA-256 digest). 400 names every bad field; 409 `key_exists` for a name in use."""
         return await keys.create_key(gw, body)
@@ -357,7 +357,7 @@ def build_rest(gw: Gateway) -> FastAPI:
             409: {"model": schemas.ErrorBody, "description": "key_in_config"},
         },
     )
-    async def rotate_key(name: str) -> dict[str, Any]:
+    async def rotate_key(name: str) -> schemas.KeyWithSecret:
         """A new `secret` for a key made here; the old one is refused (401) at once."""
         return await keys.rotate_key(gw, name)
 
@@ -369,7 +369,7 @@ def build_rest(gw: Gateway) -> FastAPI:
             409: {"model": schemas.ErrorBody, "description": "key_in_config"},
         },
     )
-    async def revoke_key(name: str) -> dict[str, Any]:
+    async def revoke_key(name: str) -> schemas.KeyRevoked:
         """Revoke a key made here: refused (401) from the next request on, on every gateway
         sharing a PostgreSQL store within a second."""
         return await keys.revoke_key(gw, name)
@@ -381,13 +381,13 @@ def build_rest(gw: Gateway) -> FastAPI:
         limit: int = Query(100, ge=1, le=service.MAX_CAPTURES),
         model: str | None = None,
         status: str | None = Query(None, description="a status (502) or a class (5xx)"),
-    ) -> dict[str, Any]:
+    ) -> schemas.CaptureList:
         """Kept request/response captures, newest first, without bodies; `used_bytes` of
         `bound_bytes` (capture.bufferMB) held."""
         return service.captures(gw, limit, model, status)
 
     @app.get(f"{PREFIX}/captures/{{request_id}}", response_model=schemas.CaptureRecord)
-    async def capture(request_id: str) -> dict[str, Any]:
+    async def capture(request_id: str) -> schemas.CaptureRecord:
         """One capture: bodies (each cut at 64 KB), headers, status; secrets redacted.
         404 when it was evicted or never kept."""
         return service.capture(gw, request_id)

@@ -1,6 +1,8 @@
 """The one service layer behind every management surface (REST, GraphQL, the dashboard):
 operator actions and the views of SPEC §14 (usage and activity in `usage.py`). Plain
-functions over the gateway; surfaces render its `ApiError`s in their own shapes.
+functions over the gateway, each returning a typed view of `schemas.py` that every
+surface renders as it is (REST as JSON, GraphQL through the type derived from it, the
+dashboard's templates); surfaces render its `ApiError`s in their own shapes.
 
 A management write that cannot be made durable fails as a whole: the store is written
 first, and only then is anything changed (`store_unavailable`, 503, otherwise)."""
@@ -14,7 +16,38 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from corrallm.api.schemas import CancelResult, Logs, ReservationsView, ReservationView
+from corrallm.api.schemas import (
+    ActionResult,
+    BackendView,
+    CancelResult,
+    CaptureEncodings,
+    CaptureHeaders,
+    CaptureList,
+    CaptureRecord,
+    CaptureRow,
+    CaptureSides,
+    EconomicsRow,
+    EconomicsView,
+    Lanes,
+    LaneView,
+    LiveRequestsView,
+    LiveRequestView,
+    Logs,
+    ModelView,
+    Overview,
+    PauseResult,
+    PeerNodeView,
+    PeerResidency,
+    PeerResident,
+    PoolView,
+    ReloadResult,
+    ReservationsView,
+    ReservationView,
+    ResidencyView,
+    ResidentView,
+    ServerResidency,
+    ServerView,
+)
 from corrallm.config import ConfigError
 from corrallm.config.units import parse_duration, rfc3339
 from corrallm.gateway import Gateway
@@ -97,7 +130,7 @@ def wall(gw: Gateway, monotonic: float | None) -> str | None:
 # -- actions -------------------------------------------------------------------------
 
 
-async def load_model(gw: Gateway, name: str) -> dict[str, Any]:
+async def load_model(gw: Gateway, name: str) -> ActionResult:
     served = served_model(gw, name)
     if gw.pauses.paused("model", served.name):
         raise ApiError(423, f"Model '{served.name}' is paused; unpause it first.", "paused")
@@ -107,10 +140,10 @@ async def load_model(gw: Gateway, name: str) -> dict[str, Any]:
         await endpoint.load()
     except LifecycleError as exc:
         raise _lifecycle_error(exc) from exc
-    return {"model": served.name, "backend": route.id, "state": str(endpoint.state)}
+    return ActionResult(model=served.name, backend=route.id, state=str(endpoint.state))
 
 
-async def unload_model(gw: Gateway, name: str, force: bool = False) -> dict[str, Any]:
+async def unload_model(gw: Gateway, name: str, force: bool = False) -> ActionResult:
     served = served_model(gw, name)
     own = gw.own_supervisors(served)
     if not own:
@@ -123,7 +156,7 @@ async def unload_model(gw: Gateway, name: str, force: bool = False) -> dict[str,
             "nothing_to_unload",
         )
     await _unload(own, force)
-    return {"model": served.name, "state": str(own[0].state)}
+    return ActionResult(model=served.name, state=str(own[0].state))
 
 
 def _pause_target(gw: Gateway, kind: Kind, name: str) -> str:
@@ -134,23 +167,23 @@ def _pause_target(gw: Gateway, kind: Kind, name: str) -> str:
     return name
 
 
-async def pause(gw: Gateway, kind: Kind, name: str, until: str | float | None) -> dict[str, Any]:
+async def pause(gw: Gateway, kind: Kind, name: str, until: str | float | None) -> PauseResult:
     target = _pause_target(gw, kind, name)
     when = parse_until(until)
     try:
         await gw.pauses.pause(kind, target, when)
     except StoreUnavailable as exc:
         raise store_unavailable(exc, f"pause {kind} '{target}'") from exc
-    return {kind: target, "paused": True, "paused_until": rfc3339(when)}
+    return PauseResult.model_validate({kind: target, "paused": True, "paused_until": rfc3339(when)})
 
 
-async def unpause(gw: Gateway, kind: Kind, name: str) -> dict[str, Any]:
+async def unpause(gw: Gateway, kind: Kind, name: str) -> PauseResult:
     target = _pause_target(gw, kind, name)
     try:
         await gw.pauses.unpause(kind, target)
     except StoreUnavailable as exc:
         raise store_unavailable(exc, f"unpause {kind} '{target}'") from exc
-    return {kind: target, "paused": False, "paused_until": None}
+    return PauseResult.model_validate({kind: target, "paused": False, "paused_until": None})
 
 
 def store_unavailable(exc: StoreUnavailable, action: str) -> ApiError:
@@ -163,7 +196,7 @@ def store_unavailable(exc: StoreUnavailable, action: str) -> ApiError:
     )
 
 
-async def load_extension(gw: Gateway, name: str) -> dict[str, Any]:
+async def load_extension(gw: Gateway, name: str) -> ActionResult:
     sup = extension(gw, name)
     if gw.pauses.paused("extension", name):
         raise ApiError(423, f"Extension '{name}' is paused; unpause it first.", "paused")
@@ -171,13 +204,13 @@ async def load_extension(gw: Gateway, name: str) -> dict[str, Any]:
         await sup.load()
     except LifecycleError as exc:
         raise _lifecycle_error(exc) from exc
-    return {"extension": name, "state": str(sup.state)}
+    return ActionResult(extension=name, state=str(sup.state))
 
 
-async def unload_extension(gw: Gateway, name: str, force: bool = False) -> dict[str, Any]:
+async def unload_extension(gw: Gateway, name: str, force: bool = False) -> ActionResult:
     sup = extension(gw, name)
     await _unload([sup], force)
-    return {"extension": name, "state": str(sup.state)}
+    return ActionResult(extension=name, state=str(sup.state))
 
 
 async def _unload(sups: list[Supervisor], force: bool) -> None:
@@ -203,8 +236,9 @@ def model_logs(gw: Gateway, name: str, lines: int = 100) -> Logs:
     return Logs(model=served.name, lines=logs.tail(lines), n_ctx=logs.n_ctx, n_slots=logs.n_slots)
 
 
-def overview(gw: Gateway) -> dict[str, Any]:
+def overview(gw: Gateway) -> Overview:
     models = []
+    core = gw.admission.core
     for served in gw.served:
         until = gw.pauses.until.get(("model", served.name))
         paused = gw.pauses.paused("model", served.name)
@@ -214,126 +248,125 @@ def overview(gw: Gateway) -> dict[str, Any]:
             described = endpoint.describe()
             logs = described.logs
             tenancy = gw.residency.tenancies.get(endpoint.id)
-            _, in_flight, waiting = gw.admission.core.load(route.id)
+            _, in_flight, waiting = core.load(route.id)
             backends.append(
-                {
-                    "id": route.id,
-                    "state": str(endpoint.state),
-                    "server": (tenancy.server if tenancy else None) or route.config.server,
-                    "quality": route.config.quality,
-                    "type": route.config.type,
-                    "max_concurrent": route.config.max_concurrent,
-                    "in_flight": in_flight,
-                    "waiting": waiting,
-                    "n_ctx": logs.n_ctx if logs else None,
-                    "n_slots": logs.n_slots if logs else None,
-                    "pid": described.pid,
-                    "extension": route.config.extension,
-                    "last_error": described.last_error,
-                    "sleeps": described.sleeps,
-                    "peer": route.config.peer,
-                    "modes": list(route.config.modes),
-                    "service_seconds": gw.admission.core.backends[route.id].service,
-                    "load_seconds": described.load_seconds,
-                }
+                BackendView(
+                    id=route.id,
+                    state=str(endpoint.state),
+                    server=(tenancy.server if tenancy else None) or route.config.server,
+                    quality=route.config.quality,
+                    type=route.config.type,
+                    max_concurrent=route.config.max_concurrent,
+                    in_flight=in_flight,
+                    waiting=waiting,
+                    n_ctx=logs.n_ctx if logs else None,
+                    n_slots=logs.n_slots if logs else None,
+                    pid=described.pid,
+                    extension=route.config.extension,
+                    last_error=described.last_error,
+                    sleeps=described.sleeps,
+                    peer=route.config.peer,
+                    modes=list(route.config.modes),
+                    service_seconds=core.backends[route.id].service,
+                    load_seconds=described.load_seconds,
+                )
             )
         models.append(
-            {
-                "name": served.name,
-                "aliases": list(served.config.aliases),
-                "state": "paused" if paused else backends[0]["state"],
-                "paused": paused,
-                "paused_until": rfc3339(until) if paused else None,
-                "persistent": served.config.persistent,
-                "ttl_seconds": served.config.sticky.ttl if served.config.sticky else None,
-                "backends": backends,
-            }
+            ModelView(
+                name=served.name,
+                aliases=list(served.config.aliases),
+                state="paused" if paused else backends[0].state,
+                paused=paused,
+                paused_until=rfc3339(until) if paused else None,
+                persistent=served.config.persistent,
+                ttl_seconds=served.config.sticky.ttl if served.config.sticky else None,
+                backends=backends,
+            )
         )
     servers = [
-        {
-            "name": name,
-            "pools": {
-                pool: {
-                    "capacity": capacity,
-                    "reserve": server.reserve.get(pool, 0),
-                    "used": gw.residency.used(name).get(pool, 0),
-                }
+        ServerView(
+            name=name,
+            pools={
+                pool: PoolView(
+                    capacity=capacity,
+                    reserve=server.reserve.get(pool, 0),
+                    used=gw.residency.used(name).get(pool, 0),
+                )
                 for pool, capacity in server.pools.items()
             },
-        }
+        )
         for name, server in gw.config.servers.items()
     ]
-    peers = [view.view() for view in gw.nodes.views.values()]
-    return {"models": models, "servers": servers, "peers": peers}
+    peers = [PeerNodeView.model_validate(view.view()) for view in gw.nodes.views.values()]
+    return Overview(models=models, servers=servers, peers=peers)
 
 
-def residency(gw: Gateway) -> dict[str, Any]:
+def residency(gw: Gateway) -> ResidencyView:
     servers = []
     for name in gw.config.servers:
         residents = []
         for tenancy in gw.residency.residents(name):
             sup = tenancy.supervisor
             residents.append(
-                {
-                    "backend": sup.id,
-                    "state": str(sup.state),
-                    "pid": sup.pid,
-                    "ram_usage": tenancy.usage,
-                    "declared": tenancy.declared,
-                    "estimated": tenancy.estimated,
-                    "measured": tenancy.measured_here,
-                    "sleep_usage": tenancy.asleep_usage,
-                    "gpu": tenancy.placed,
-                    "in_flight": sup.in_flight,
-                    "last_used": wall(gw, sup.last_used),
-                    "ttl_expires_at": wall(gw, tenancy.ttl_expires_at()),
-                    "evict_cost": tenancy.evict_cost,
-                    "pinned": tenancy.pinned,
-                }
+                ResidentView(
+                    backend=sup.id,
+                    state=str(sup.state),
+                    pid=sup.pid,
+                    ram_usage=tenancy.usage,
+                    declared=tenancy.declared,
+                    estimated=tenancy.estimated,
+                    measured=tenancy.measured_here,
+                    sleep_usage=tenancy.asleep_usage,
+                    gpu=tenancy.placed,
+                    in_flight=sup.in_flight,
+                    last_used=wall(gw, sup.last_used),
+                    ttl_expires_at=wall(gw, tenancy.ttl_expires_at()),
+                    evict_cost=tenancy.evict_cost,
+                    pinned=tenancy.pinned,
+                )
             )
-        servers.append({"name": name, "residents": residents})
+        servers.append(ServerResidency(name=name, residents=residents))
     # X1: what each peer holds is its own to plan; here, its models' state as it reports.
     peers = [
-        {
-            "name": view.name,
-            "state": "up" if view.up else "down",
-            "backends": [
-                {"backend": m["backend"], "state": m["state"], "in_flight": m["in_flight"]}
+        PeerResidency(
+            name=view.name,
+            state="up" if view.up else "down",
+            backends=[
+                PeerResident(backend=m["backend"], state=m["state"], in_flight=m["in_flight"])
                 for m in view.view()["models"]
             ],
-        }
+        )
         for view in gw.nodes.views.values()
     ]
-    return {"servers": servers, "peers": peers}
+    return ResidencyView(servers=servers, peers=peers)
 
 
-def lanes(gw: Gateway) -> dict[str, Any]:
+def lanes(gw: Gateway) -> Lanes:
     """Per priority group (lane): its weight, live load and share of recent usage."""
     core = gw.admission.core
     shares = core.usage_share(time.monotonic())
-    rows = []
-    for name, group in core.groups.items():
-        rows.append(
-            {
-                "name": name,
-                "weight": group.spec.weight,
-                "interruptible": group.spec.interruptible,
-                "share_currency": group.spec.currency,
-                "in_flight": group.in_flight,
-                "waiting": group.waiting,
-                "usage_share": round(shares.get(name, 0.0), 4),
-                "spend_usd_window": round(gw.ledger.spent(name), 6),
-            }
+    rows = [
+        LaneView(
+            name=name,
+            weight=group.spec.weight,
+            interruptible=group.spec.interruptible,
+            share_currency=group.spec.currency,
+            in_flight=group.in_flight,
+            waiting=group.waiting,
+            usage_share=round(shares.get(name, 0.0), 4),
+            spend_usd_window=round(gw.ledger.spent(name), 6),
         )
-    return {"lanes": rows}
+        for name, group in core.groups.items()
+    ]
+    return Lanes(lanes=rows)
 
 
 # -- live requests (SPEC §21 O1) ------------------------------------------------------
 
 
-def live_requests(gw: Gateway) -> dict[str, Any]:
+def live_requests(gw: Gateway) -> LiveRequestsView:
     """Every request corrallm holds now, oldest first."""
-    return {"requests": gw.live.views()}
+    return LiveRequestsView(requests=[LiveRequestView(**view) for view in gw.live.views()])
 
 
 def cancel_request(gw: Gateway, request_id: str) -> CancelResult:
@@ -350,11 +383,13 @@ def cancel_request(gw: Gateway, request_id: str) -> CancelResult:
     return CancelResult(id=live.id, state=live.state, cancelled=True)
 
 
-def economics(gw: Gateway) -> dict[str, Any]:
+def economics(gw: Gateway) -> EconomicsView:
     """SPEC §14, §11 D1: the economics ledger, one row per backend of the config in force."""
     ledger = gw.economics.view()
-    rows = [{**row, "first_seen": rfc3339(row["first_seen"])} for row in ledger["rows"]]
-    return {**ledger, "since": rfc3339(ledger["since"]), "rows": rows}
+    rows = [
+        EconomicsRow(**{**row, "first_seen": rfc3339(row["first_seen"])}) for row in ledger["rows"]
+    ]
+    return EconomicsView(**{**ledger, "since": rfc3339(ledger["since"]), "rows": rows})
 
 
 def reservations(gw: Gateway) -> ReservationsView:
@@ -363,7 +398,7 @@ def reservations(gw: Gateway) -> ReservationsView:
     return ReservationsView(reservations=[ReservationView(**lease) for lease in leases])
 
 
-async def reload_config(gw: Gateway) -> dict[str, Any]:
+async def reload_config(gw: Gateway) -> ReloadResult:
     """SPEC §10 P6: re-read the config file; refused with every problem if it is bad."""
     from corrallm.api.reload import read_config, reload
 
@@ -372,12 +407,9 @@ async def reload_config(gw: Gateway) -> dict[str, Any]:
     except ConfigError as exc:
         raise _refused(exc) from exc
     report = await reload(gw, config)
-    return {
-        "kept": report.kept,
-        "restarted": report.restarted,
-        "removed": report.removed,
-        "added": report.added,
-    }
+    return ReloadResult(
+        kept=report.kept, restarted=report.restarted, removed=report.removed, added=report.added
+    )
 
 
 def _refused(exc: ConfigError) -> ApiError:
@@ -406,24 +438,21 @@ MAX_CAPTURES = 10_000
 
 def captures(
     gw: Gateway, limit: int = 100, model: str | None = None, status: str | None = None
-) -> dict[str, Any]:
+) -> CaptureList:
     """The kept captures, newest first, without their bodies; and the ring's fill."""
     statuses = _statuses(status)
     rows = []
     for kept in gw.captures.newest(model or None, statuses):
-        rows.append(_capture_row(kept))
+        rows.append(CaptureRow(**_capture_fields(kept)))
         if len(rows) >= limit:
             break
     ring = gw.captures.ring
-    return {
-        "captures": rows,
-        "bodies": gw.captures.bodies,
-        "used_bytes": ring.used,
-        "bound_bytes": ring.bound,
-    }
+    return CaptureList(
+        captures=rows, bodies=gw.captures.bodies, used_bytes=ring.used, bound_bytes=ring.bound
+    )
 
 
-def capture(gw: Gateway, request_id: str) -> dict[str, Any]:
+def capture(gw: Gateway, request_id: str) -> CaptureRecord:
     """One kept capture, bodies and headers included."""
     kept = gw.captures.get(request_id)
     if kept is None:
@@ -436,13 +465,13 @@ def capture(gw: Gateway, request_id: str) -> dict[str, Any]:
             "capture_not_found",
             param="request_id",
         )
-    return {
-        **_capture_row(kept),
-        "request": kept.request,
-        "response": kept.response,
-        "encoding": {"request": kept.request_encoding, "response": kept.response_encoding},
-        "headers": {"request": kept.request_headers, "response": kept.response_headers},
-    }
+    return CaptureRecord(
+        **_capture_fields(kept),
+        request=kept.request,
+        response=kept.response,
+        encoding=CaptureEncodings(request=kept.request_encoding, response=kept.response_encoding),
+        headers=CaptureHeaders(request=kept.request_headers, response=kept.response_headers),
+    )
 
 
 def kept_captures(gw: Gateway, request_ids: Iterable[str | None]) -> set[str]:
@@ -450,7 +479,8 @@ def kept_captures(gw: Gateway, request_ids: Iterable[str | None]) -> set[str]:
     return {rid for rid in request_ids if rid is not None and gw.captures.get(rid) is not None}
 
 
-def _capture_row(kept: Record) -> dict[str, Any]:
+def _capture_fields(kept: Record) -> dict[str, Any]:
+    """What a capture's row and its whole record share."""
     return {
         "request_id": kept.request_id,
         "t": rfc3339(kept.t),
@@ -462,7 +492,7 @@ def _capture_row(kept: Record) -> dict[str, Any]:
         "endpoint": kept.endpoint,
         "status": kept.status,
         "error": kept.error,
-        "truncated": {"request": kept.request_truncated, "response": kept.response_truncated},
+        "truncated": CaptureSides(request=kept.request_truncated, response=kept.response_truncated),
         "request_bytes": kept.request_bytes,
         "response_bytes": kept.response_bytes,
     }

@@ -1,5 +1,5 @@
 """Usage and activity views (SPEC §9 C4, §14): ranges, buckets and the store's reads,
-for REST and GraphQL alike."""
+each answered as its typed view (`schemas.py`) for REST, GraphQL and the dashboard alike."""
 
 from __future__ import annotations
 
@@ -8,6 +8,15 @@ import time
 from datetime import UTC, datetime
 from typing import Any
 
+from corrallm.api.schemas import (
+    ActivityList,
+    QueueDepth,
+    UsageByKey,
+    UsageByUser,
+    UsageGroupSeries,
+    UsageRollup,
+    UsageSeries,
+)
 from corrallm.config.units import parse_duration, rfc3339
 from corrallm.gateway import Gateway
 from corrallm.http.errors import ApiError
@@ -114,23 +123,26 @@ def _timed(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 async def usage_by_key(
     gw: Gateway, since: str | None = None, until: str | None = None
-) -> dict[str, Any]:
+) -> UsageByKey:
     start, end = time_range(since, until)
-    return {**_range(start, end), "rows": await queries.usage_by_key(gw.store, start, end)}
+    rows = await queries.usage_by_key(gw.store, start, end)
+    return UsageByKey.model_validate({**_range(start, end), "rows": rows})
 
 
 async def usage_by_user(
     gw: Gateway, since: str | None = None, until: str | None = None
-) -> dict[str, Any]:
+) -> UsageByUser:
     start, end = time_range(since, until)
-    return {**_range(start, end), "rows": await queries.usage_by_user(gw.store, start, end)}
+    rows = await queries.usage_by_user(gw.store, start, end)
+    return UsageByUser.model_validate({**_range(start, end), "rows": rows})
 
 
 async def usage_rollup(
     gw: Gateway, since: str | None = None, until: str | None = None
-) -> dict[str, Any]:
+) -> UsageRollup:
     start, end = time_range(since, until)
-    return {**_range(start, end), "rows": await queries.usage_rollup(gw.store, start, end)}
+    rows = await queries.usage_rollup(gw.store, start, end)
+    return UsageRollup.model_validate({**_range(start, end), "rows": rows})
 
 
 async def usage_series(
@@ -139,20 +151,26 @@ async def usage_series(
     until: str | None = None,
     bucket: str | None = None,
     by_group: bool = False,
-) -> dict[str, Any]:
+) -> UsageSeries | UsageGroupSeries:
+    """The usage per bucket (`by_group`: per bucket and lane, a `UsageGroupSeries`)."""
     start, end = time_range(since, until)
     seconds = parse_bucket(bucket, start, end)
     points = await queries.usage_series(gw.store, start, end, seconds, by_group)
-    return {**_range(start, end), "bucket_seconds": seconds, "points": _timed(points)}
+    view = UsageGroupSeries if by_group else UsageSeries
+    return view.model_validate(
+        {**_range(start, end), "bucket_seconds": seconds, "points": _timed(points)}
+    )
 
 
 async def queue_depth(
     gw: Gateway, since: str | None = None, until: str | None = None, bucket: str | None = None
-) -> dict[str, Any]:
+) -> QueueDepth:
     start, end = time_range(since, until)
     seconds = parse_bucket(bucket, start, end)
     points = await queries.queue_depth(gw.store, start, end, seconds)
-    return {**_range(start, end), "bucket_seconds": seconds, "points": _timed(points)}
+    return QueueDepth.model_validate(
+        {**_range(start, end), "bucket_seconds": seconds, "points": _timed(points)}
+    )
 
 
 async def activity(
@@ -164,7 +182,7 @@ async def activity(
     since: str | None = None,
     until: str | None = None,
     user: str | None = None,
-) -> dict[str, Any]:
+) -> ActivityList:
     if not 1 <= limit <= MAX_ACTIVITY:
         raise ApiError(
             400,
@@ -174,4 +192,4 @@ async def activity(
         )
     start, end = time_range(since, until)
     rows = await queries.activity(gw.store, start, end, limit, key, model, group, user)
-    return {**_range(start, end), "rows": _timed(rows)}
+    return ActivityList.model_validate({**_range(start, end), "rows": _timed(rows)})

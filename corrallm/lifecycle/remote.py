@@ -5,13 +5,17 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import ClassVar
 
-from corrallm.lifecycle.description import Description
+from corrallm.lifecycle.description import Description, Kind
 from corrallm.lifecycle.state import State
 
 
 @dataclass
 class RemoteEndpoint:
+    kind: ClassVar[Kind] = "proxy"
+    retired: ClassVar[bool] = False  # a reload replaces a proxy's route; nothing retires it
+
     id: str
     base_url: str
     state: State = State.READY
@@ -27,7 +31,7 @@ class RemoteEndpoint:
         return None
 
     def describe(self) -> Description:
-        return Description("proxy", self.state, self.base_url)
+        return Description(self.kind, self.state, self.base_url)
 
     def available(self) -> bool:
         return True

@@ -23,7 +23,7 @@ import time
 from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from corrallm.config.schema import ProcessSpec
 from corrallm.lifecycle import sleep as sleeping
@@ -31,7 +31,7 @@ from corrallm.lifecycle import slots, supervision
 from corrallm.lifecycle.addresses import (
     origin,
 )
-from corrallm.lifecycle.description import Description
+from corrallm.lifecycle.description import Description, Kind
 from corrallm.lifecycle.errors import (
     BackendFailed,
     BackendPaused,
@@ -85,6 +85,8 @@ class Backoff:
 
 @dataclass
 class Supervisor(Starting):
+    kind: ClassVar[Kind] = "process"
+
     id: str
     spec: ProcessSpec
     probe: Probe
@@ -198,7 +200,7 @@ class Supervisor(Starting):
 
     def describe(self) -> Description:
         return Description(
-            "process",
+            self.kind,
             self.state,
             self.base_url,
             pid=self.pid,

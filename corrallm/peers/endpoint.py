@@ -10,8 +10,9 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import ClassVar
 
-from corrallm.lifecycle.description import Description
+from corrallm.lifecycle.description import Description, Kind
 from corrallm.lifecycle.errors import PeerDown
 from corrallm.lifecycle.state import State
 from corrallm.peers import lanes
@@ -20,6 +21,8 @@ from corrallm.peers.catalog import PeerView, RemoteModel
 
 @dataclass(eq=False)
 class PeerEndpoint:
+    kind: ClassVar[Kind] = "peer"
+
     id: str  # <model>@<peer>
     peer: PeerView
     model: str
@@ -69,7 +72,7 @@ class PeerEndpoint:
 
     def describe(self) -> Description:
         return Description(
-            "peer",
+            self.kind,
             self.state,
             self.base_url,
             node=self.peer.name,

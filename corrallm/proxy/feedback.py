@@ -9,7 +9,7 @@ opened it itself. If the answer turns out not to be a stream (an upstream error)
 wait fails, the stream ends with the surface's error event (OpenAI's: the error as one
 `data:` event and `data: [DONE]`).
 
-An SSE stream's note is a comment line (`SSE`); a surface whose stream has no comments
+An SSE stream's note is a comment line (`SSE_FEEDBACK`); a surface whose stream has no comments
 (Ollama's NDJSON, SPEC §23 E1) writes its own kind of line (`StreamForm.note`).
 """
 
@@ -50,6 +50,8 @@ class Waited:
     def raw(self) -> list[tuple[bytes, bytes]]:
         """`X-Corrallm-Queue-Ms` and `X-Corrallm-Load-Ms`, on every answer (K4), as its
         head carries them."""
+        if not self.queue_ms and not self.load_ms:  # most answers: no wait to format
+            return [(WAITED[0], b"0"), (WAITED[1], b"0")]
         return [(WAITED[0], b"%d" % round(self.queue_ms)), (WAITED[1], b"%d" % round(self.load_ms))]
 
     def headers(self) -> dict[str, str]:
@@ -115,7 +117,7 @@ class StreamForm:
     note: Callable[[str], bytes]
 
 
-SSE = StreamForm(SSE_TYPE, sse_comment)
+SSE_FEEDBACK = StreamForm(SSE_TYPE, sse_comment)
 
 
 def openai_error_event(error: ApiError) -> bytes:
@@ -125,13 +127,20 @@ def openai_error_event(error: ApiError) -> bytes:
 
 class QueueNote:
     """What a queued client is told (K4): its place by arrival among those waiting for
-    the backend, and when a slot is expected (the measured average dwell)."""
+    the backend, and when a slot is expected (the measured average dwell). `since`: when
+    the request joined a queue (None while it has not: admitted at once, it waited 0 ms
+    for a slot, however long the admission's own work took on a busy machine)."""
+
+    since: float | None = None
 
     def __init__(self, core: Scheduler, backend: str, request_id: int | None = None) -> None:
         self.core, self.backend, self.request_id = core, backend, request_id
+        if request_id is not None:  # a note for a request queued already (requeued, S4)
+            self.since = time.monotonic()
 
     def queued(self, request_id: int) -> None:
         self.request_id = request_id
+        self.since = time.monotonic()
 
     def __call__(self) -> str:
         place = None if self.request_id is None else self.core.position(self.request_id)
@@ -166,7 +175,7 @@ class StreamFeedback:
         self,
         send: Send,
         error_event: Callable[[ApiError], bytes] = openai_error_event,
-        form: StreamForm = SSE,
+        form: StreamForm = SSE_FEEDBACK,
     ) -> None:
         self._send = send
         self._error_event = error_event

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Sequence
+from itertools import compress
+from operator import itemgetter, not_
 from typing import NamedTuple
 
 import aiohttp
@@ -82,10 +84,21 @@ def new_session() -> aiohttp.ClientSession:
     )
 
 
-def request_headers(raw: Iterable[tuple[bytes, bytes]], extra: dict[str, str]) -> Headers:
+def kept(headers: Sequence[tuple[bytes, bytes]], dropped: frozenset[bytes]) -> Headers:
+    """`headers` less those named in `dropped`, in order. Every request passes its
+    headers and its answer's through here: picked by C iterators, with no Python opcode
+    per header (bench/opcodes.py)."""
+    names = map(_NAME, headers)
+    return list(compress(headers, map(not_, map(dropped.__contains__, names))))
+
+
+_NAME = itemgetter(0)
+
+
+def request_headers(raw: Sequence[tuple[bytes, bytes]], extra: dict[str, str]) -> Headers:
     """The client's headers for the backend (as they came, lowercased by the server), the
     hop-by-hop ones and the caller's identity left out, `extra` set over them."""
-    out = [(k, v) for k, v in raw if k not in _DROP_REQUEST]
+    out = kept(raw, _DROP_REQUEST)
     if extra:
         names = {k.lower().encode("latin-1") for k in extra}
         out = [(k, v) for k, v in out if k not in names]

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Awaitable, Callable, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, cast
 from urllib.parse import urlsplit
@@ -110,7 +110,7 @@ class Admitted:
         return self.ticket.progress
 
     def upstream_headers(
-        self, raw: Iterable[tuple[bytes, bytes]], url: str, method: str = "POST"
+        self, raw: Sequence[tuple[bytes, bytes]], url: str, method: str = "POST"
     ) -> Headers:
         """The request's headers for its backend: the caller's identity left out, the
         backend's own `headers` added, and across a hop the caller's lane, signed (X3)
@@ -456,7 +456,10 @@ class Pipeline:
         visit.backend, visit.backend_id = route.config, route.id
         visit.degraded = served.degraded(route)
         visit.spilled = route not in tiers[0]
-        ticket.progress = Progress()
+        if ticket.progress.stage:
+            # An attempt starts from nothing sent; a ticket's first `Progress` is fresh,
+            # so a request tried once makes no second one.
+            ticket.progress = Progress()
         admitted = Admitted(served, flight.caller, ticket, visit, flight.waited, flight.live)
         try:
             endpoint = route.endpoint
@@ -568,14 +571,17 @@ class _Flight:
     waited: Waited = field(default_factory=Waited)
     ticket: Ticket | None = None  # the slot it holds now, released when it is over
 
-    async def queued(self, admit: Awaitable[Ticket], note: Callable[[], str]) -> Ticket:
-        began = time.monotonic()
+    async def queued(self, admit: Awaitable[Ticket], note: QueueNote) -> Ticket:
+        """The ticket `admit` gives; the time it waited in a queue added to `queue_ms`
+        (K4): from when the admission queued it (`note.since`), so that a request
+        admitted at once waited 0 ms."""
         try:
             if self.narrator is None:
                 return await admit
-            return await self.narrator.over(admit, note, lambda: self._so_far(began, "queue"))
+            return await self.narrator.over(admit, note, lambda: self._so_far(note.since, "queue"))
         finally:
-            self.waited.queue_ms += (time.monotonic() - began) * 1000
+            if note.since is not None:
+                self.waited.queue_ms += (time.monotonic() - note.since) * 1000
 
     async def loading(self, ready: Awaitable[None], note: Callable[[], str]) -> None:
         began = time.monotonic()
@@ -586,8 +592,8 @@ class _Flight:
         finally:
             self.waited.load_ms += (time.monotonic() - began) * 1000
 
-    def _so_far(self, began: float, phase: str) -> Waited:
-        now = (time.monotonic() - began) * 1000
+    def _so_far(self, began: float | None, phase: str) -> Waited:
+        now = 0.0 if began is None else (time.monotonic() - began) * 1000
         queue, load = self.waited.queue_ms, self.waited.load_ms
         return Waited(queue + now, load) if phase == "queue" else Waited(queue, load + now)
 

@@ -11,6 +11,11 @@ answer relayed back, for every dialect.
       REFUSE  held whole and raised as the dialect's error (nothing was sent)
     -> metered -> the end (the dialect's error event on a break; nothing after the end)
 
+A stream goes through one loop (`_relay_events`), whichever the mode: whole events cut at
+blank lines and metered, then passed on (`_Events`) or translated by the codec
+(`_Translating`); a break ends it with the codec's error events. A dialect translated
+from Chat Completions (Anthropic, Responses, Ollama) uses `dialects/stream.Translated`.
+
 The relay owns the request's `Progress` (scheduler/ticket.py): it says when the head went
 out and, for a stream that ends cleanly at event boundaries, how to end it with an
 interruption in the dialect's shape (`Progress.render`), which the pipeline calls when a
@@ -30,12 +35,13 @@ from corrallm.http.asgi import Headers, Message, Receive, Scope, Send
 from corrallm.http.client import Client, Response
 from corrallm.http.errors import ApiError, bad_gateway
 from corrallm.lifecycle.addresses import upstream_url
-from corrallm.proxy.feedback import SSE, StreamFeedback, StreamForm
+from corrallm.proxy.feedback import SSE_FEEDBACK, SSE_TYPE, StreamFeedback, StreamForm
 from corrallm.proxy.forward import (
     DROP_RESPONSE,
     Direct,
     DisconnectWatch,
     direct_writer,
+    kept,
     open_upstream,
     stream_error,
     upstream_failure,
@@ -44,6 +50,7 @@ from corrallm.proxy.metering import Meter, split_events
 from corrallm.scheduler.ticket import Progress, Stage
 
 if TYPE_CHECKING:
+    from corrallm.cost.ledger import Visit
     from corrallm.proxy.pipeline import Admitted, Inbound, Pipeline
     from corrallm.routing.router import Route
 
@@ -54,7 +61,7 @@ if TYPE_CHECKING:
 # Requests are capped by `maxBodySize` (http/bodies.py).
 HELD_MAX = 16 * 1024 * 1024
 
-NO_CACHE = (b"cache-control", b"no-cache")
+SSE = SSE_TYPE
 
 
 class Mode(enum.Enum):
@@ -67,16 +74,17 @@ class Mode(enum.Enum):
 
 class Codec(Protocol):
     """A dialect's side of one upstream answer. `cuttable`: a stream of it may be ended
-    at an event boundary by an interruption (else a preemption waits for its end)."""
+    at an event boundary by an interruption (else a preemption waits for its end).
+    `stream_type`: the content type of an EVENTS stream (SSE, or NDJSON lines). A
+    refused answer (REFUSE) is `upstream_error`, rendered by the dialect's error writer.
+    The meter meters the upstream's answer as it came, whatever the client gets."""
 
     meter: Meter
     cuttable: bool
+    stream_type: bytes
 
     def mode(self, status: int, kind: str) -> Mode:
         """What to do with an answer of this status and content type."""
-
-    def refusal(self, status: int, body: bytes, backend: str) -> ApiError:
-        """REFUSE: the error the client gets for this answer."""
 
     def whole(self, body: bytes, backend: str) -> bytes:
         """WHOLE: the answer (held whole) in the dialect's shape."""
@@ -88,18 +96,15 @@ class Codec(Protocol):
         """EVENTS: whole upstream events (metered) in the dialect's shape."""
 
     def done(self, sent: bytes) -> bool:
-        """Whether the answer is whole once `sent` went out (a client leaving after that
-        was served, S7)."""
+        """EVENTS: whether the answer is whole once `sent` went out (a client leaving
+        after that was served, S7; a break after it is not an error)."""
 
     def close(self, tail: bytes) -> bytes:
-        """EVENTS: the upstream ended; its unterminated last event (metered) and what
-        closes the stream."""
+        """EVENTS: the upstream ended before the answer was whole (`done`); its
+        unterminated last event (metered) and what closes the stream."""
 
     def fail(self, error: ApiError) -> bytes:
         """The events that end a stream with `error` (a break, an interruption)."""
-
-    def settle(self, sent: int) -> None:
-        """The answer is over (EVENTS, WHOLE, AS_IS): `sent` bytes went to the client."""
 
 
 class AsSent:
@@ -109,15 +114,14 @@ class AsSent:
 
     __slots__ = ("cuttable", "meter")
 
+    stream_type = SSE
+
     def __init__(self, meter: Meter, cuttable: bool = True) -> None:
         self.meter = meter
         self.cuttable = cuttable
 
     def mode(self, status: int, kind: str) -> Mode:
         return Mode.PASS
-
-    def refusal(self, status: int, body: bytes, backend: str) -> ApiError:
-        return upstream_error(status, body, backend)
 
     def whole(self, body: bytes, backend: str) -> bytes:
         return body
@@ -137,9 +141,6 @@ class AsSent:
     def fail(self, error: ApiError) -> bytes:
         return stream_error(error)
 
-    def settle(self, sent: int) -> None:
-        pass
-
 
 # -- the relay --------------------------------------------------------------------------
 
@@ -158,11 +159,10 @@ async def relay(
     progress: Progress | None = None,
     idle_timeout: float | None = None,
     direct: Direct | None = None,
-    stream_type: bytes = SSE.content_type,
+    visit: Visit | None = None,
 ) -> int:
     """Send the request upstream and relay the answer as `codec` says; returns the
-    status to record. `stream_type`: the content type of the dialect's own stream
-    (EVENTS).
+    status to record, and records what the meter read on `visit`.
 
     That is the upstream's status, unless the answer broke off after it began: then 502
     (the backend closed or crashed) or 504 (silent for `idle_timeout` seconds), with
@@ -171,56 +171,72 @@ async def relay(
     client's connection, when `send` passes an SSE body on unchanged (`direct_writer`).
     """
     meter = codec.meter
-    response = await open_upstream(
-        client, method, url, body, headers, idle_timeout, backend_id, meter
-    )
-    async with response:
-        kind = response.content_type
-        sse = kind == "text/event-stream"
-        meter.start(response.status, sse, kind == "application/json")
-        mode = codec.mode(response.status, kind)
-        if mode is Mode.PASS:
-            raw = [(k, v) for k, v in response.headers if k not in DROP_RESPONSE]
-            raw.extend(extra)
-            start = {"type": "http.response.start", "status": response.status, "headers": raw}
-            if sse:
+    try:
+        response = await open_upstream(
+            client, method, url, body, headers, idle_timeout, backend_id, meter
+        )
+        async with response:
+            kind = response.content_type
+            sse = kind == "text/event-stream"
+            meter.start(response.status, sse, kind == "application/json")
+            mode = codec.mode(response.status, kind)
+            if mode is Mode.PASS:
+                raw = kept(response.headers, DROP_RESPONSE)
+                raw.extend(extra)
+                start = {"type": "http.response.start", "status": response.status, "headers": raw}
+                if sse:
+                    if progress is not None:
+                        progress.begin(_renderer(send, codec) if codec.cuttable else None)
+                    # Only a 200 is relayed as it came; a feedback stream turns others into errors.
+                    writer = direct if response.status == 200 else None
+                    events = _Events(meter, watch)
+                    return await _relay_events(
+                        response, send, start, backend_id, codec, events, writer
+                    )
                 if progress is not None:
-                    progress.begin(_renderer(send, codec) if codec.cuttable else None)
-                # Only a 200 is relayed as it came; a feedback stream turns others into errors.
-                writer = direct if response.status == 200 else None
-                return await _relay_events(response, send, start, watch, backend_id, codec, writer)
+                    progress.begin()
+                hold = HELD_MAX if kind == "application/json" else 0
+                return await _relay_body(response, send, start, watch, backend_id, meter, hold)
+            if mode is Mode.REFUSE:
+                raise upstream_error(
+                    response.status, await held(response, meter, backend_id), backend_id
+                )
+            if mode is Mode.EVENTS:
+                if progress is not None:
+                    progress.begin(_renderer(send, codec))
+                head = [
+                    (b"content-type", codec.stream_type),
+                    (b"cache-control", b"no-cache"),
+                    *extra,
+                ]
+                start = {"type": "http.response.start", "status": 200, "headers": head}
+                events = _Translating(codec, watch)
+                return await _relay_events(
+                    response, send, start, backend_id, codec, events, None, codec.begin()
+                )
             if progress is not None:
-                progress.begin()
-            hold = HELD_MAX if kind == "application/json" else 0
-            return await _relay_body(response, send, start, watch, backend_id, meter, hold)
-        if mode is Mode.REFUSE:
-            raise codec.refusal(
-                response.status, await held(response, meter, backend_id), backend_id
-            )
-        if mode is Mode.EVENTS:
+                progress.begin()  # held: it finishes, then any preemption
+            answer = await held(response, meter, backend_id)
+            meter.finish()
+            if mode is Mode.WHOLE:
+                answer, kind = codec.whole(answer, backend_id), "application/json"
+            head = [
+                (b"content-type", kind.encode("latin-1")),
+                (b"content-length", b"%d" % len(answer)),
+                *extra,
+            ]
+            watch.finishing = True
+            await send({"type": "http.response.start", "status": response.status, "headers": head})
+            await send({"type": "http.response.body", "body": answer})
             if progress is not None:
-                progress.begin(_renderer(send, codec))
-            head = [(b"content-type", stream_type), NO_CACHE, *extra]
-            start = {"type": "http.response.start", "status": 200, "headers": head}
-            return await _translate_events(response, send, start, watch, backend_id, codec)
-        if progress is not None:
-            progress.begin()  # held: it finishes, then any preemption
-        answer = await held(response, meter, backend_id)
-        meter.finish()
-        if mode is Mode.WHOLE:
-            answer, kind = codec.whole(answer, backend_id), "application/json"
-        head = [
-            (b"content-type", kind.encode("latin-1")),
-            (b"content-length", b"%d" % len(answer)),
-            *extra,
-        ]
-        watch.finishing = True
-        await send({"type": "http.response.start", "status": response.status, "headers": head})
-        await send({"type": "http.response.body", "body": answer})
-        if progress is not None:
-            progress.stage = Stage.EVENTS
-        codec.settle(len(answer))
-        return int(response.status)
+                progress.stage = Stage.EVENTS
+            return int(response.status)
+    finally:
+        if visit is not None:  # what the meter says, on the request's record
+            visit.status = meter.status or visit.status
+            visit.error = meter.error or visit.error  # the answer broke off: 502/504
+            visit.metered = meter.metered(visit.bytes_in)
+            visit.ttfb_ms = meter.ttfb_ms()
 
 
 def _renderer(send: Send, codec: Codec) -> Callable[[ApiError], Awaitable[None]]:
@@ -304,27 +320,30 @@ async def _relay_events(
     response: Response,
     send: Send,
     start: Message,
-    watch: DisconnectWatch,
     backend_id: str,
     codec: Codec,
+    events: _Events,
     direct: Direct | None = None,
+    opening: bytes = b"",
 ) -> int:
-    """An SSE stream passed on in whole events: a preemption or a break always leaves the
-    client at an event boundary, and metering sees each event whole.
+    """An SSE answer relayed in whole events, passed on or translated (`events`): a
+    preemption or a break always leaves the client at an event boundary, and metering
+    sees each event whole. `opening`: what opens a translated stream.
 
     With `direct` (the client's connection, when nothing between here and it changes
     the body), events are written from the upstream connection's callback as they
     arrive: no message, coroutine or task switch per chunk. Whatever the client is not
     ready for goes through `send`, which waits for it, in order.
 
-    A stream that breaks off (backend crash, idle timeout) drops its torn last event and
-    ends with the dialect's error event (OpenAI's: one error event and `data: [DONE]`);
-    nothing ever follows the end.
+    A stream that breaks off (backend crash, idle timeout) before its end drops its torn
+    last event and ends with the codec's error events (OpenAI's: one error event and
+    `data: [DONE]`); nothing ever follows the end.
     """
     await send(start)
+    if opening:
+        await send({"type": "http.response.body", "body": opening, "more_body": True})
     meter = codec.meter
-    status = int(response.status)
-    events = _Events(meter, watch)
+    status: int = start["status"]
     sink = None if direct is None else events.sink(direct)
     response.sink = sink
     try:
@@ -337,45 +356,48 @@ async def _relay_events(
                 await send({"type": "http.response.body", "body": data, "more_body": True})
             if not response.chunks:
                 response.sink = sink
+        if tail := events.close():
+            await send({"type": "http.response.body", "body": tail, "more_body": True})
     except OSError as exc:
         # The torn event (`pending`) is dropped. A stream whose end went out is whole.
-        if not codec.done(events.last):
+        if not events.done:
             error = upstream_failure(meter, backend_id, exc)
             status = error.status
             body = codec.fail(error)
             await send({"type": "http.response.body", "body": body, "more_body": True})
-    else:
-        if pending := events.pending:  # the last event, not closed by a blank line
-            pending = meter.chunk(pending)
-            await send({"type": "http.response.body", "body": pending, "more_body": True})
     finally:
         response.sink = None
     meter.finish()
-    watch.finishing = True
+    events.watch.finishing = True
     await send({"type": "http.response.body", "body": b""})
     return status
 
 
 class _Events:
-    """An SSE answer on its way out in whole events: the torn last one held back, each
-    metered, `[DONE]` noted (after it, the client hanging up is not a cancel, S7)."""
+    """An SSE answer on its way out as it came, in whole events: the torn last one held
+    back, each metered, `[DONE]` noted (`done`: after it, the client hanging up is not a
+    cancel, S7, and a break is not an error)."""
 
-    __slots__ = ("last", "meter", "pending", "watch")
+    __slots__ = ("done", "meter", "pending", "watch")
 
     def __init__(self, meter: Meter, watch: DisconnectWatch) -> None:
         self.meter, self.watch = meter, watch
         self.pending = b""
-        self.last = b""  # the last events sent
+        self.done = False
 
     def take(self, chunk: bytes) -> bytes:
         """The whole events `chunk` completes, metered; b"" if none."""
         data, self.pending = split_events(self.pending + chunk)
         if data:
             data = self.meter.chunk(data)
-            self.last = data
             if b"[DONE]" in data:
-                self.watch.finishing = True
+                self.done = self.watch.finishing = True
         return data
+
+    def close(self) -> bytes:
+        """The upstream ended: its last event, not closed by a blank line, metered."""
+        pending = self.pending
+        return self.meter.chunk(pending) if pending else b""
 
     def sink(self, direct: Direct) -> Callable[[bytes], bool]:
         """What takes the upstream's pieces in its callback: whole events written at once
@@ -400,55 +422,30 @@ class _Events:
         return sink
 
 
-async def _translate_events(
-    response: Response,
-    send: Send,
-    start: Message,
-    watch: DisconnectWatch,
-    backend_id: str,
-    codec: Codec,
-) -> int:
-    """The dialect's own stream: each whole upstream event metered, then translated. A
-    break ends it with the dialect's error events, a torn last event dropped; nothing
-    follows the end."""
-    meter = codec.meter
-    status = 200
-    sent = 0
-    pending = b""
-    done = False
-    await send(start)
-    if opening := codec.begin():
-        sent += len(opening)
-        await send({"type": "http.response.body", "body": opening, "more_body": True})
-    try:
-        async for chunk in response.iter_any():
-            whole, pending = split_events(pending + chunk)
-            if not whole:
-                continue
-            out = codec.events(meter.chunk(whole))
-            if codec.done(out):
-                done = watch.finishing = True  # whole: a client leaving now was served
-            if out:
-                sent += len(out)
-                await send({"type": "http.response.body", "body": out, "more_body": True})
-    except OSError as exc:
-        if not done:
-            error = upstream_failure(meter, backend_id, exc)
-            status = error.status
-            out = codec.fail(error)
-            sent += len(out)
-            await send({"type": "http.response.body", "body": out, "more_body": True})
-            done = True
-    if not done:
-        watch.finishing = True
-        if tail := codec.close(meter.chunk(pending) if pending else b""):
-            sent += len(tail)
-            await send({"type": "http.response.body", "body": tail, "more_body": True})
-    meter.finish()
-    codec.settle(sent)
-    watch.finishing = True
-    await send({"type": "http.response.body", "body": b""})
-    return status
+class _Translating(_Events):
+    """A stream in the dialect's own shape: each whole upstream event metered, then
+    translated by the codec; `done` once the codec says the answer is whole."""
+
+    __slots__ = ("codec",)
+
+    def __init__(self, codec: Codec, watch: DisconnectWatch) -> None:
+        super().__init__(codec.meter, watch)
+        self.codec = codec
+
+    def take(self, chunk: bytes) -> bytes:
+        data, self.pending = split_events(self.pending + chunk)
+        if not data:
+            return b""
+        out = self.codec.events(self.meter.chunk(data))
+        if not self.done and self.codec.done(out):
+            self.done = self.watch.finishing = True  # whole: a client leaving now was served
+        return out
+
+    def close(self) -> bytes:
+        if self.done:
+            return b""
+        pending = self.pending
+        return self.codec.close(self.meter.chunk(pending) if pending else b"")
 
 
 def upstream_error(status: int, answer: bytes, backend: str) -> ApiError:
@@ -505,7 +502,7 @@ def serve(
     scope: Scope,
     receive: Receive,
     send: Send,
-    form: StreamForm = SSE,
+    form: StreamForm = SSE_FEEDBACK,
 ) -> Awaitable[None]:
     """A dialect's request through the pipeline and the relay: the work every dialect's
     request does once admitted, written once. `form`: how the dialect's streams are framed
@@ -517,34 +514,29 @@ def serve(
     out = send if feedback is None else feedback.send
     method: str = scope["method"]
 
-    async def work(admitted: Admitted) -> int:
-        route, visit = admitted.route, admitted.visit
+    def work(admitted: Admitted) -> Awaitable[int]:
+        # The relay's coroutine itself (no `await` level here): it records the meter.
+        route = admitted.route
         path, data = dialect.upstream(route)
         codec = dialect.answer(route)
-        meter = admitted.live.meter = codec.meter
+        admitted.live.meter = codec.meter
         url = upstream_url(route.endpoint.base_url, path)
-        try:
-            return await relay(
-                pipeline.upstream,
-                method,
-                url,
-                data,
-                admitted.upstream_headers(scope["headers"], url, method),
-                answer_headers(admitted),
-                out,
-                watch,
-                route.id,
-                codec,
-                admitted.progress,
-                pipeline.runtime.upstream_idle(route),
-                direct,  # the feedback stream passes an SSE body on unchanged
-                form.content_type,
-            )
-        finally:
-            visit.status = meter.status or visit.status
-            visit.error = meter.error or visit.error  # the answer broke off: 502/504
-            visit.metered = meter.metered(inbound.size)
-            visit.ttfb_ms = meter.ttfb_ms()
+        return relay(
+            pipeline.upstream,
+            method,
+            url,
+            data,
+            admitted.upstream_headers(scope["headers"], url, method),
+            answer_headers(admitted),
+            out,
+            watch,
+            route.id,
+            codec,
+            admitted.progress,
+            pipeline.runtime.upstream_idle(route),
+            direct,  # the feedback stream passes an SSE body on unchanged
+            admitted.visit,
+        )
 
     watch = DisconnectWatch(receive, scope)
     direct = direct_writer(scope) if inbound.stream and dialect.direct else None

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from corrallm.config.schema import BackendConfig, ModelConfig, PriorityGroup
-from corrallm.lifecycle.description import Description
+from corrallm.lifecycle.description import Description, Kind
 from corrallm.lifecycle.state import State
 from corrallm.routing.filters import NO_FILTERS, RequestFilters
 from corrallm.routing.tiers import may_serve, tiers
@@ -20,6 +20,12 @@ class Endpoint(Protocol):
     in_flight: int
     last_used: float
 
+    # What `describe()` says too, as fields: asked of every request (`Gateway.stale`,
+    # `placeable`), where a whole `Description` is ~90 opcodes (bench/opcodes.py).
+    @property
+    def kind(self) -> Kind: ...
+    @property
+    def retired(self) -> bool: ...
     @property
     def state(self) -> State: ...
     @property

@@ -1,11 +1,14 @@
 """What each dashboard section shows, gathered from the one service layer (api/service.py,
-api/usage.py), the economics ledger included. Plain data for the templates; no HTML here."""
+api/usage.py), the economics ledger included: the service's typed views as they are, or
+with what a section adds (shares, bar widths). Data for the templates; no HTML here."""
 
 from __future__ import annotations
 
 import json
 from collections import defaultdict
 from typing import Any
+
+from pydantic import BaseModel
 
 from corrallm.api import keys as api_keys
 from corrallm.api import service, usage
@@ -40,7 +43,7 @@ FORMATS = ("json", "verbose_json", "diarized_json", "text", "srt", "vtt")
 RANGES = {"hour": ("1h", "5m"), "day": ("24h", "1h"), "week": ("7d", "6h")}
 
 
-async def section(name: str, gw: Gateway, params: dict[str, str]) -> dict[str, Any]:
+async def section(name: str, gw: Gateway, params: dict[str, str]) -> dict[str, Any] | BaseModel:
     if name == "overview":
         return overview(gw)
     if name == "requests":
@@ -69,8 +72,7 @@ async def section(name: str, gw: Gateway, params: dict[str, str]) -> dict[str, A
 
 
 def overview(gw: Gateway) -> dict[str, Any]:
-    data = service.overview(gw)
-    return {"models": data["models"]}
+    return {"models": service.overview(gw).models}
 
 
 FOOTPRINTS = ("declared", "estimated", "measured")
@@ -84,23 +86,23 @@ def _in_pool(footprint: dict[str, int] | None, pool: str) -> int | None:
 
 
 def residency(gw: Gateway) -> dict[str, Any]:
-    pools = {s["name"]: s["pools"] for s in service.overview(gw)["servers"]}
+    pools = {s.name: s.pools for s in service.overview(gw).servers}
     servers = []
-    for server in service.residency(gw)["servers"]:
+    for server in service.residency(gw).servers:
         rows = []
-        for pool, p in pools.get(server["name"], {}).items():
-            capacity = max(p["capacity"], 1)
-            residents = [
+        for pool, p in pools.get(server.name, {}).items():
+            capacity = max(p.capacity, 1)
+            residents: list[dict[str, Any]] = [
                 {
-                    "backend": r["backend"],
-                    "state": r["state"],
-                    "pinned": r["pinned"],
-                    "planned": r["ram_usage"].get(pool, 0),
+                    "backend": r.backend,
+                    "state": r.state,
+                    "pinned": r.pinned,
+                    "planned": r.ram_usage.get(pool, 0),
                     # M2: where the planned number comes from (None: unknown)
-                    **{kind: _in_pool(r.get(kind), pool) for kind in FOOTPRINTS},
+                    **{kind: _in_pool(getattr(r, kind), pool) for kind in FOOTPRINTS},
                 }
-                for r in server["residents"]
-                if r["ram_usage"].get(pool)
+                for r in server.residents
+                if r.ram_usage.get(pool)
             ]
             x = 0.0
             for r in residents:  # stacked: each segment's offset and width, as % of capacity
@@ -111,20 +113,20 @@ def residency(gw: Gateway) -> dict[str, Any]:
             rows.append(
                 {
                     "pool": pool,
-                    "capacity": p["capacity"],
-                    "reserve": p["reserve"],
-                    "reserve_w": 100.0 * p["reserve"] / capacity,
-                    "used": p["used"],
+                    "capacity": p.capacity,
+                    "reserve": p.reserve,
+                    "reserve_w": 100.0 * p.reserve / capacity,
+                    "used": p.used,
                     "measured": sum(measured) if measured else None,
                     "residents": residents,
                 }
             )
-        servers.append({"name": server["name"], "pools": rows})
+        servers.append({"name": server.name, "pools": rows})
     return {"servers": servers}
 
 
 def lanes(gw: Gateway) -> dict[str, Any]:
-    rows = service.lanes(gw)["lanes"]
+    rows = [lane.model_dump() for lane in service.lanes(gw).lanes]  # with what it adds
     total_weight = sum(r["weight"] for r in rows) or 1.0
     for r in rows:
         r["weight_share"] = r["weight"] / total_weight
@@ -138,34 +140,35 @@ def lanes(gw: Gateway) -> dict[str, Any]:
 def nodes(gw: Gateway) -> dict[str, Any]:
     """X6: each peer, up or down (with why), and its models with their state and their
     backend processes there (what the peer holds), as the peer last reported them."""
-    return {"peers": service.overview(gw)["peers"], "peer_timeout": gw.config.peer_timeout}
+    return {"peers": service.overview(gw).peers, "peer_timeout": gw.config.peer_timeout}
 
 
 async def usage_view(gw: Gateway, range_name: str) -> dict[str, Any]:
     if range_name not in RANGES:
         range_name = "day"
     since, bucket = RANGES[range_name]
-    by_key = (await usage.usage_by_key(gw, since))["rows"]
+    by_key = (await usage.usage_by_key(gw, since)).rows
     keys: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
     lanes_: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
     for row in by_key:
-        for target in (keys[row["key"] or "(no key)"], lanes_[row["group"]]):
-            for field in ("requests", "cost_usd", "energy_wh"):
-                target[field] += row[field]
-            target["dwell_ms"] += (row["dwell_ms_avg"] or 0) * row["requests"]
+        for target in (keys[row.key or "(no key)"], lanes_[row.group]):
+            target["requests"] += row.requests
+            target["cost_usd"] += row.cost_usd
+            target["energy_wh"] += row.energy_wh
+            target["dwell_ms"] += (row.dwell_ms_avg or 0) * row.requests
     series = await usage.usage_series(gw, since, None, bucket)
     depth = await usage.queue_depth(gw, since, None, bucket)
     peaks: dict[str, int] = defaultdict(int)
-    for point in depth["points"]:
-        peaks[point["t"]] = max(peaks[point["t"]], point["waiting"])
+    for point in depth.points:
+        peaks[point.t] = max(peaks[point.t], point.waiting)
     return {
         "range": range_name,
         "ranges": list(RANGES),
         "key_bars": _bars(keys),
         "lane_bars": _bars(lanes_),
-        "series": series["points"],
-        "series_max": max((p["requests"] for p in series["points"]), default=0),
-        "bucket_seconds": series["bucket_seconds"],
+        "series": series.points,
+        "series_max": max((p.requests for p in series.points), default=0),
+        "bucket_seconds": series.bucket_seconds,
         "depth": [{"t": t, "waiting": w} for t, w in sorted(peaks.items())],
         "depth_max": max(peaks.values(), default=0),
     }
@@ -181,7 +184,7 @@ def _bars(groups: dict[str, dict[str, float]]) -> list[dict[str, Any]]:
 
 async def activity(gw: Gateway) -> dict[str, Any]:
     """The newest rows, each marked with whether a capture of its request is kept."""
-    rows = (await usage.activity(gw, ACTIVITY_ROWS))["rows"]
+    rows = [row.model_dump() for row in (await usage.activity(gw, ACTIVITY_ROWS)).rows]
     kept = service.kept_captures(gw, (row["request_id"] for row in rows))
     for row in rows:
         row["captured"] = row["request_id"] in kept
@@ -190,7 +193,7 @@ async def activity(gw: Gateway) -> dict[str, Any]:
 
 def capture(gw: Gateway, request_id: str) -> dict[str, Any]:
     """One kept capture (ApiError 404 when none is), its JSON bodies indented."""
-    record = service.capture(gw, request_id)
+    record = service.capture(gw, request_id).model_dump()  # with its readable bodies
     for side in ("request", "response"):
         record[f"{side}_text"] = _readable(record[side], record["encoding"][side])
     return record
@@ -229,7 +232,7 @@ def playground(gw: Gateway) -> dict[str, Any]:
 def keys(gw: Gateway) -> dict[str, Any]:
     """T2: every key by name (never a secret), and the lanes a new one may join."""
     return {
-        "keys": api_keys.list_keys(gw)["keys"],
+        "keys": api_keys.list_keys(gw).keys,
         "groups": api_keys.groups(gw),
         "default_group": gw.config.scheduler.default_group,
     }

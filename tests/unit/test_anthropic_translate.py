@@ -8,9 +8,10 @@ import orjson
 import pytest
 
 from corrallm.http.errors import ApiError
-from corrallm.proxy.dialects.anthropic_stream import EventStream
+from corrallm.proxy.dialects.anthropic_stream import AnthropicStream
 from corrallm.proxy.dialects.anthropic_translate import (
     MAX_BLOCKS,
+    MessageEcho,
     error_body,
     error_shape,
     from_chat,
@@ -218,7 +219,9 @@ def _answer(message: dict[str, Any], reason: str, **choice: Any) -> dict[str, An
 
 
 def test_K1_chat_answer_becomes_a_message() -> None:
-    msg = from_chat(_answer({"role": "assistant", "content": "Hi!"}, "stop"), "claude-x")
+    msg = from_chat(
+        _answer({"role": "assistant", "content": "Hi!"}, "stop"), MessageEcho("claude-x")
+    )
     assert msg == {
         "id": "msg_c1",
         "type": "message",
@@ -234,7 +237,7 @@ def test_K1_chat_answer_becomes_a_message() -> None:
 def test_K1_tool_calls_become_tool_use_blocks() -> None:
     call = {"id": "call_1", "type": "function", "function": {"name": "w", "arguments": '{"a":1}'}}
     answer = _answer({"role": "assistant", "content": None, "tool_calls": [call]}, "tool_calls")
-    msg = from_chat(answer, "m")
+    msg = from_chat(answer, MessageEcho("m"))
     assert msg["content"] == [{"type": "tool_use", "id": "call_1", "name": "w", "input": {"a": 1}}]
     assert msg["stop_reason"] == "tool_use"
 
@@ -252,13 +255,13 @@ def test_K1_tool_calls_become_tool_use_blocks() -> None:
 def test_K1_stop_reasons(
     reason: str | None, extra: dict[str, Any], expected: tuple[str, Any]
 ) -> None:
-    msg = from_chat(_answer({"content": "x"}, reason, **extra), "m", ["END"])  # type: ignore[arg-type]
+    msg = from_chat(_answer({"content": "x"}, reason, **extra), MessageEcho("m", ["END"]))  # type: ignore[arg-type]
     assert (msg["stop_reason"], msg["stop_sequence"]) == expected
 
 
 def test_K1_an_answer_without_choices_is_a_502() -> None:
     with pytest.raises(ApiError) as err:
-        from_chat({"error": "x"}, "m")
+        from_chat({"error": "x"}, MessageEcho("m"))
     assert err.value.status == 502
 
 
@@ -280,7 +283,7 @@ def _chunk(delta: dict[str, Any], reason: str | None = None) -> dict[str, Any]:
 
 
 def test_K1_stream_of_text_becomes_anthropic_events() -> None:
-    stream = EventStream("claude-x")
+    stream = AnthropicStream(MessageEcho("claude-x"))
     raw = b"".join(
         [
             stream.feed(_chunk({"role": "assistant", "content": ""})),
@@ -313,7 +316,7 @@ def test_K1_stream_of_text_becomes_anthropic_events() -> None:
 
 
 def test_K1_stream_of_text_then_two_tool_calls() -> None:
-    stream = EventStream("m")
+    stream = AnthropicStream(MessageEcho("m"))
     call0 = {"index": 0, "id": "a", "type": "function", "function": {"name": "f", "arguments": ""}}
     call1 = {
         "index": 1,
@@ -351,12 +354,12 @@ def test_K1_stream_of_text_then_two_tool_calls() -> None:
 
 
 def test_K1_a_stream_with_nothing_still_is_a_whole_message() -> None:
-    events = _events(EventStream("m").finish())
+    events = _events(AnthropicStream(MessageEcho("m")).finish())
     assert [k for k, _ in events] == ["message_start", "message_delta", "message_stop"]
 
 
 def test_K1_stream_ignores_junk_chunks() -> None:
-    stream = EventStream("m")
+    stream = AnthropicStream(MessageEcho("m"))
     assert stream.feed([1, 2]) == b""
     assert stream.feed({"choices": "x"}).startswith(b"event: message_start")
     assert stream.feed({"choices": [{"delta": {"content": 5}}]}) == b""

@@ -11,8 +11,8 @@ import pytest
 from corrallm.http.errors import ApiError
 from corrallm.proxy.dialects.ollama_stream import Lines
 from corrallm.proxy.dialects.ollama_translate import (
+    OllamaRequest,
     Timings,
-    Translated,
     answer,
     error_line,
     error_status,
@@ -37,7 +37,7 @@ TIMES = Timings(total=5_000, load=1_000, prompt_eval=2_000, eval=2_000)
 PNG = "iVBORw0KGgoAAAANSUhEUg"
 
 
-def chat(payload: dict[str, Any], model: str = "m") -> Translated:
+def chat(payload: dict[str, Any], model: str = "m") -> OllamaRequest:
     return read("/api/chat", {"model": model, **payload}, model)
 
 

@@ -1,4 +1,4 @@
-"""SPEC §6 S4/S7, §10 P6, §21 O1, X4: the request pipeline replaying scripted histories, as
+"""SPEC §6 S4/S7, §10 P6, §16 K4, §21 O1, X4: the request pipeline replaying scripted histories, as
 test_supervisor.py does for the supervisor. The runtime is a fake (`World`: the real
 admission and live-request owners, fake endpoints, a ledger that never refuses), the
 surface's work is a script that says how far its answer got (`admitted.progress`), and
@@ -11,6 +11,7 @@ Each test is a sequence of events and one equality assert on the history.
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -211,6 +212,33 @@ def start(
     return asyncio.create_task(run())
 
 
+async def holder_then(
+    world: World,
+    holder: Surface,
+    second: Surface,
+    key: str = "batch-key",
+    watch: Callable[[], DisconnectWatch] | None = None,
+) -> tuple[asyncio.Task[None], asyncio.Task[None]]:
+    """`holder` takes the model's one slot, then `second` arrives: queued behind it, or
+    preempting it with the urgent key."""
+    first = start(world, holder)
+    await turns()
+    later = start(world, second, key, watch)
+    await turns()
+    return first, later
+
+
+def leaving() -> tuple[asyncio.Event, Callable[[], DisconnectWatch]]:
+    """A client that goes away once the event is set, and how its watch is made."""
+    gone = asyncio.Event()
+
+    async def receive() -> dict[str, Any]:
+        await gone.wait()
+        return {"type": "http.disconnect"}
+
+    return gone, lambda: DisconnectWatch(receive)
+
+
 def live_id(world: World, index: int = 0) -> str:
     return [v["id"] for v in world.live.views()][index]
 
@@ -219,10 +247,7 @@ async def test_S4_a_preempted_request_that_sent_nothing_waits_again_and_is_serve
     world: World,
 ) -> None:
     victim, taker = Surface(world, "victim"), Surface(world, "taker")
-    first = start(world, victim)
-    await turns()
-    second = start(world, taker, "urgent-key")
-    await turns()
+    first, second = await holder_then(world, victim, taker, "urgent-key")
     taker.go.set()
     victim.go.set()
     await asyncio.gather(first, second)
@@ -270,10 +295,7 @@ async def test_S4_a_stream_under_way_is_ended_at_an_event_boundary_when_preempte
     world: World,
 ) -> None:
     victim, taker = Surface(world, "victim", "stream"), Surface(world, "taker")
-    first = start(world, victim)
-    await turns()
-    second = start(world, taker, "urgent-key")
-    await turns()
+    first, second = await holder_then(world, victim, taker, "urgent-key")
     taker.go.set()
     await asyncio.gather(first, second)
     assert (world.history, victim.attempts) == (
@@ -286,10 +308,7 @@ async def test_S4_a_held_answer_is_not_cut_by_a_preemption_the_taker_waits(
     world: World,
 ) -> None:
     victim, taker = Surface(world, "victim", "body"), Surface(world, "taker")
-    first = start(world, victim)
-    await turns()
-    second = start(world, taker, "urgent-key")
-    await turns()
+    first, second = await holder_then(world, victim, taker, "urgent-key")
     victim.go.set()
     taker.go.set()
     await asyncio.gather(first, second)
@@ -298,10 +317,7 @@ async def test_S4_a_held_answer_is_not_cut_by_a_preemption_the_taker_waits(
 
 async def test_O1_a_request_cancelled_while_queued_is_a_503_cancelled(world: World) -> None:
     holder, waiter = Surface(world, "holder"), Surface(world, "waiter")
-    first = start(world, holder)
-    await turns()
-    second = start(world, waiter)
-    await turns()
+    first, second = await holder_then(world, holder, waiter)
     world.live.cancel(live_id(world, 1))
     await turns()
     holder.go.set()
@@ -338,10 +354,7 @@ async def test_P6_a_reload_retiring_the_backend_while_queued_routes_the_request_
     world: World,
 ) -> None:
     holder, waiter = Surface(world, "holder"), Surface(world, "waiter")
-    first = start(world, holder)
-    await turns()
-    second = start(world, waiter)
-    await turns()
+    first, second = await holder_then(world, holder, waiter)
     world.reload("two")
     holder.go.set()
     waiter.go.set()
@@ -400,13 +413,8 @@ async def test_X4_a_peer_down_after_the_head_ends_the_stream_with_peer_down(
 
 async def test_S7_a_client_gone_mid_request_is_recorded_as_499(world: World) -> None:
     work = Surface(world, "req", "stream")
-    gone = asyncio.Event()
-
-    async def receive() -> dict[str, Any]:
-        await gone.wait()
-        return {"type": "http.disconnect"}
-
-    task = start(world, work, watch=lambda: DisconnectWatch(receive))
+    gone, watch = leaving()
+    task = start(world, work, watch=watch)
     await turns()
     gone.set()
     await task
@@ -415,16 +423,8 @@ async def test_S7_a_client_gone_mid_request_is_recorded_as_499(world: World) -> 
 
 async def test_S7_a_client_gone_while_queued_frees_its_place_as_499(world: World) -> None:
     holder, waiter = Surface(world, "holder"), Surface(world, "waiter")
-    gone = asyncio.Event()
-
-    async def receive() -> dict[str, Any]:
-        await gone.wait()
-        return {"type": "http.disconnect"}
-
-    first = start(world, holder)
-    await turns()
-    second = start(world, waiter, watch=lambda: DisconnectWatch(receive))
-    await turns()
+    gone, watch = leaving()
+    first, second = await holder_then(world, holder, waiter, watch=watch)
     gone.set()
     await turns()
     holder.go.set()
@@ -449,3 +449,25 @@ async def test_S4_an_upstream_that_falls_silent_is_a_504_and_its_slot_is_freed(
         "after on m#one",
         "after done",
     ]
+
+
+class Stalling(Admission):
+    """An admission whose thread loses 20 ms inside `acquire` and then admits at once, as
+    on a busy machine (another thread holding the GIL, the process descheduled)."""
+
+    async def acquire(self, *args: Any, **kwargs: Any) -> Any:
+        lost = time.monotonic() + 0.02
+        while time.monotonic() < lost:  # the stall itself: no await, nothing queued
+            pass
+        return await super().acquire(*args, **kwargs)
+
+
+async def test_K4_queue_ms_count_only_a_wait_in_a_queue(world: World) -> None:
+    world.admission = Stalling(world.config, {r.id: r for r in world.served_model.routes})
+    holder, waiter = Surface(world, "holder"), Surface(world, "waiter")
+    first, second = await holder_then(world, holder, waiter)
+    holder.go.set()
+    waiter.go.set()
+    await asyncio.gather(first, second)
+    # The holder was admitted at once (0 ms, whatever the stall); the waiter queued.
+    assert [(v.queue_ms > 0, v.status) for v in world.settled] == [(False, 200), (True, 200)]

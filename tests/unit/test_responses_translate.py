@@ -9,14 +9,15 @@ import pytest
 from openai.types.responses import Response, ResponseStreamEvent
 from pydantic import TypeAdapter
 
-from corrallm.proxy.dialects.responses_stream import StreamTranslator, encode
+from corrallm.http.errors import ApiError
+from corrallm.proxy.dialects.responses_stream import ResponsesStream, encode
 from corrallm.proxy.dialects.responses_translate import (
     MAX_INPUT_ITEMS,
     Echo,
     Refused,
     check_request,
+    from_chat,
     to_chat,
-    to_response,
 )
 
 EVENTS: TypeAdapter[Any] = TypeAdapter(ResponseStreamEvent)
@@ -193,7 +194,7 @@ def test_K2_a_chat_answer_is_a_response_object_the_sdk_reads():
         ],
         "usage": {"prompt_tokens": 7, "completion_tokens": 3, "total_tokens": 10},
     }
-    body = to_response(chat, Echo(model="m", max_output_tokens=30))
+    body = from_chat(chat, Echo(model="m", max_output_tokens=30))
     response = Response.model_validate(body)  # the SDK's own type, strictly
     assert response.status == "completed" and response.model == "m"
     assert response.output_text == "Hello there"
@@ -209,7 +210,7 @@ def test_K2_a_chat_answer_is_a_response_object_the_sdk_reads():
 
 def test_K2_an_answer_cut_at_the_token_limit_is_incomplete():
     chat = {"choices": [{"message": {"content": "Hel"}, "finish_reason": "length"}]}
-    body = to_response(chat, Echo(model="m"))
+    body = from_chat(chat, Echo(model="m"))
     assert body["status"] == "incomplete"
     assert body["incomplete_details"] == {"reason": "max_output_tokens"}
     assert body["usage"] is None
@@ -220,13 +221,18 @@ def chunk(delta: dict[str, Any] | None = None, finish: str | None = None, **extr
     return {"object": "chat.completion.chunk", "choices": choices, **extra}
 
 
+def decoded(raw: bytes) -> list[dict[str, Any]]:
+    """The translator's named SSE events, back into their objects."""
+    return [orjson.loads(block.split(b"\ndata: ", 1)[1]) for block in raw.split(b"\n\n") if block]
+
+
 def run_stream(chunks: list[Any]) -> list[dict[str, Any]]:
-    translator = StreamTranslator(Echo(model="m"))
-    events = translator.start()
+    translator = ResponsesStream(Echo(model="m"))
+    raw = translator.start()
     for c in chunks:
-        events.extend(translator.feed(c))
-    events.extend(translator.finish())
-    return events
+        raw += translator.feed(c)
+    raw += translator.finish()
+    return decoded(raw)
 
 
 def test_K2_a_chat_stream_becomes_the_responses_event_sequence():
@@ -295,9 +301,10 @@ def test_K2_a_stream_cut_at_the_token_limit_ends_with_response_incomplete():
 
 
 def test_K2_a_broken_stream_ends_with_an_error_event_and_response_failed():
-    translator = StreamTranslator(Echo(model="m"))
-    events = translator.start() + translator.feed(chunk({"content": "Hal"}))
-    events += translator.fail("backend_error", "backend 'b' broke off its answer")
+    translator = ResponsesStream(Echo(model="m"))
+    raw = translator.start() + translator.feed(chunk({"content": "Hal"}))
+    raw += translator.fail(ApiError(502, "backend 'b' broke off its answer", "backend_error"))
+    events = decoded(raw)
     assert [e["type"] for e in events[-2:]] == ["error", "response.failed"]
     assert events[-2]["code"] == "backend_error"
     failed = events[-1]["response"]

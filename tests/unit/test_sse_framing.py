@@ -1,7 +1,8 @@
 """SSE framing on the relay (SPEC §6 S4, §9 C2): an event ends at any blank line, whatever
 the line ends (LF, CRLF, lone CR, mixed). Pure functions first, then `forward` relaying
 from a raw loopback backend, each event released only once the previous one reached the
-client (a condition, never a sleep)."""
+client (a condition, never a sleep); then streams translated into a dialect (K1, K2),
+through the same loop."""
 
 from __future__ import annotations
 
@@ -13,9 +14,14 @@ import orjson
 import pytest
 
 from corrallm.http.client import Client
+from corrallm.proxy.dialects import anthropic, anthropic_translate, responses, responses_translate
+from corrallm.proxy.dialects.anthropic_stream import AnthropicStream
+from corrallm.proxy.dialects.responses_stream import ResponsesStream
+from corrallm.proxy.dialects.stream import Translated
 from corrallm.proxy.forward import Direct, DisconnectWatch
 from corrallm.proxy.metering import Meter, count_events, split_events
-from corrallm.proxy.relay import forward
+from corrallm.proxy.relay import Codec, forward
+from corrallm.proxy.relay import relay as relay_answer
 
 EVENT = b'data: {"choices":[{"delta":{"content":"x"}}]}'
 
@@ -191,9 +197,11 @@ async def relay(
     script: Script,
     idle_timeout: float | None = None,
     direct: Callable[[Relayed], DirectClient] | None = None,
+    codec: Codec | None = None,
 ) -> tuple[int, Relayed, Meter]:
+    """The backend's answer relayed as it came (`forward`), or as `codec` says."""
     relayed = Relayed()
-    meter = Meter()
+    meter = Meter() if codec is None else codec.meter
     never: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
 
     async def receive() -> dict[str, Any]:
@@ -203,7 +211,7 @@ async def relay(
         watch = DisconnectWatch(receive)
         try:
             scope = {"method": "POST", "headers": []}
-            status = await asyncio.wait_for(
+            answer = (
                 forward(
                     client,
                     scope,
@@ -218,9 +226,13 @@ async def relay(
                     meter,
                     idle_timeout=idle_timeout,
                     direct=Direct(direct(relayed), None) if direct is not None else None,
-                ),
-                10,
+                )
+                if codec is None
+                else relay_answer(
+                    client, "POST", backend.url, b"{}", [], [], relayed.send, watch, "chat#0", codec
+                )
             )
+            status = await asyncio.wait_for(answer, 10)
         finally:
             watch.close()
         await asyncio.wait_for(backend.over.wait(), 5)
@@ -313,3 +325,83 @@ async def test_S4_direct_relay_keeps_whole_events_in_order_when_the_client_falls
     assert all(p.get("direct") for p in pieces[1:10] + pieces[21:30])
     assert not any(p.get("direct") for p in pieces[10:20])  # the client was behind
     assert meter.events == 31
+
+
+# --- streams translated into a dialect, through the same loop ------------------------------
+
+
+def chat_event(content: str) -> bytes:
+    return b'data: {"id":"c1","choices":[{"index":0,"delta":{"content":"%s"}}]}\n\n' % (
+        content.encode()
+    )
+
+
+def named_events(body: bytes) -> list[tuple[str, dict[str, Any]]]:
+    """A dialect's named SSE events: (name, object)."""
+    out = []
+    for block in body.split(b"\n\n"):
+        if block:
+            name, data = block.split(b"\n", 1)
+            out.append((name[7:].decode(), orjson.loads(data[6:])))
+    return out
+
+
+async def test_K1_a_translated_stream_is_relayed_in_whole_events_by_the_one_loop(
+    client: Client,
+) -> None:
+    async def script(writer: asyncio.StreamWriter, relayed: Relayed) -> None:
+        writer.write(SSE_HEAD)
+        for i, word in enumerate(["Hel", "lo"]):
+            whole = chat_event(word)
+            writer.write(chunk(whole[:9]))  # torn mid-line: nothing is translated yet
+            await writer.drain()
+            writer.write(chunk(whole[9:]))
+            await writer.drain()
+            await relayed.until(lambda i=i: relayed.body.count(b"text_delta") == i + 1)
+        writer.write(chunk(b"data: [DONE]\n\n") + chunk(b""))
+        await writer.drain()
+
+    echo = anthropic_translate.MessageEcho("claude-x")
+    codec = Translated(AnthropicStream(echo), anthropic_translate.from_chat, echo, anthropic.modes)
+    status, relayed, meter = await relay(client, script, codec=codec)
+    events = named_events(relayed.body)
+    assert [name for name, _ in events] == [
+        "message_start",
+        "content_block_start",
+        "content_block_delta",
+        "content_block_delta",
+        "content_block_stop",
+        "message_delta",
+        "message_stop",
+    ]
+    assert "".join(e["delta"]["text"] for n, e in events if n == "content_block_delta") == "Hello"
+    assert relayed.messages[0]["headers"][0] == (b"content-type", b"text/event-stream")
+    assert relayed.messages[-1] == {"type": "http.response.body", "body": b""}
+    assert (status, meter.error, meter.events) == (200, None, 3)  # the upstream's events
+
+
+async def test_K2_a_translated_stream_broken_off_ends_with_the_dialects_error_events(
+    client: Client,
+) -> None:
+    async def script(writer: asyncio.StreamWriter, relayed: Relayed) -> None:
+        writer.write(SSE_HEAD + chunk(chat_event("Hal") + chat_event("lo")[:20]))
+        await writer.drain()
+        await relayed.until(lambda: b"output_text.delta" in relayed.body)
+        writer.transport.abort()  # the backend dies mid-event
+
+    echo = responses_translate.Echo(model="m")
+    codec = Translated(
+        ResponsesStream(echo), responses_translate.from_chat, echo, responses.streamed
+    )
+    status, relayed, meter = await relay(client, script, codec=codec)
+    events = named_events(relayed.body)
+    assert [name for name, _ in events][-3:] == [
+        "response.output_text.delta",
+        "error",
+        "response.failed",
+    ]
+    failed = events[-1][1]["response"]
+    assert failed["output"][0]["content"][0]["text"] == "Hal"  # the torn event was dropped
+    assert events[-2][1]["code"] == "backend_error" and "chat#0" in events[-2][1]["message"]
+    assert relayed.messages[-1] == {"type": "http.response.body", "body": b""}
+    assert status == 502 and meter.error is not None and meter.error.startswith("backend_error")

@@ -25,11 +25,12 @@ import orjson
 
 from corrallm.cost.model import BYTES_PER_TOKEN
 from corrallm.http.asgi import Headers, Receive, Scope, Send, send_bytes
-from corrallm.http.errors import ApiError, bad_gateway, bad_request, quoted
+from corrallm.http.errors import ApiError, bad_request, quoted
 from corrallm.lifecycle.addresses import origin, upstream_url
 from corrallm.proxy import relay
-from corrallm.proxy.dialects.anthropic_stream import EventStream
+from corrallm.proxy.dialects.anthropic_stream import AnthropicStream
 from corrallm.proxy.dialects.anthropic_translate import (
+    MessageEcho,
     error_body,
     error_event,
     from_chat,
@@ -37,13 +38,14 @@ from corrallm.proxy.dialects.anthropic_translate import (
     to_chat,
 )
 from corrallm.proxy.dialects.openai import parse_request, token_limit, upstream_body
+from corrallm.proxy.dialects.stream import Translated
 from corrallm.proxy.forward import (
     open_upstream,
     request_headers,
 )
 from corrallm.proxy.metering import Meter
 from corrallm.proxy.pipeline import Inbound, Pipeline, caller_key, ready
-from corrallm.proxy.relay import Codec, Mode, held, upstream_error
+from corrallm.proxy.relay import SSE, Codec, Mode, held, upstream_error
 from corrallm.routing.affinity import session_key
 from corrallm.routing.router import Route
 
@@ -93,8 +95,8 @@ class Anthropic:
         self.chat, limit, rewritten = _read(payload)
         if rewritten:
             body = orjson.dumps(payload)
-        self.body, self.payload, self.model = body, payload, model
-        self.stops: list[str] = payload.get("stop_sequences") or []
+        self.body, self.payload = body, payload
+        self.echo = MessageEcho(model, payload.get("stop_sequences") or ())
         self.inbound = Inbound(
             model,
             scope["path"],
@@ -113,55 +115,50 @@ class Anthropic:
 
     def answer(self, route: Route) -> Codec:
         if speaks_anthropic(route):
-            return AnthropicAnswer(AnthropicMeter(), None)
-        return AnthropicAnswer(Meter(), EventStream(self.model, self.stops))
+            return AnthropicNative()
+        return Translated(AnthropicStream(self.echo), from_chat, self.echo, modes)
 
 
-class AnthropicAnswer:
-    """One upstream answer in Anthropic's shape: a native one as it came (its usage read
-    by `AnthropicMeter`), a Chat one translated (`stream`: the translator)."""
+def modes(status: int, kind: str) -> Mode:
+    """A stream or an answer is Anthropic's (native, or translated); any other answer
+    is refused as Anthropic's error."""
+    if kind == "text/event-stream" and status < 400:
+        return Mode.EVENTS
+    if kind == "application/json" and status < 400:
+        return Mode.WHOLE
+    return Mode.REFUSE
 
-    __slots__ = ("meter", "stream")
+
+class AnthropicNative:
+    """An answer from a backend that speaks Anthropic: relayed as it came, in whole
+    events, its usage read by `AnthropicMeter`."""
+
+    __slots__ = ("meter",)
 
     cuttable = True
+    stream_type = SSE
+    mode = staticmethod(modes)
 
-    def __init__(self, meter: Meter, stream: EventStream | None) -> None:
-        self.meter, self.stream = meter, stream
-
-    def mode(self, status: int, kind: str) -> Mode:
-        if kind == "text/event-stream" and status < 400:
-            return Mode.EVENTS
-        if kind == "application/json" and status < 400:
-            return Mode.WHOLE
-        return Mode.REFUSE
-
-    def refusal(self, status: int, body: bytes, backend: str) -> ApiError:
-        return upstream_error(status, body, backend)
+    def __init__(self) -> None:
+        self.meter: Meter = AnthropicMeter()
 
     def whole(self, body: bytes, backend: str) -> bytes:
-        if self.stream is None:
-            return body
-        return orjson.dumps(from_chat(_json(body, backend), self.stream.model, self.stream.stops))
+        return body
 
     def begin(self) -> bytes:
         return b""
 
     def events(self, data: bytes) -> bytes:
-        return data if self.stream is None else _translate(data, self.stream)
+        return data
 
     def done(self, sent: bytes) -> bool:
-        return b"message_stop" in sent if self.stream is None else self.stream.finished
+        return b"message_stop" in sent
 
     def close(self, tail: bytes) -> bytes:
-        if self.stream is None:
-            return tail
-        return _translate(tail, self.stream) + self.stream.finish()
+        return tail
 
     def fail(self, error: ApiError) -> bytes:
         return error_event(error)
-
-    def settle(self, sent: int) -> None:
-        pass
 
 
 async def _send_json(
@@ -170,32 +167,6 @@ async def _send_json(
     headers = [(b"content-type", b"application/json"), (b"content-length", b"%d" % len(body))]
     await send({"type": "http.response.start", "status": status, "headers": headers + extra})
     await send({"type": "http.response.body", "body": body})
-
-
-def _json(answer: bytes, backend: str) -> Any:
-    try:
-        return orjson.loads(answer)
-    except orjson.JSONDecodeError:
-        raise bad_gateway(f"backend '{backend}' answered with invalid JSON.") from None
-
-
-def _translate(events: bytes, stream: EventStream) -> bytes:
-    """Chat SSE events (whole) to Anthropic's."""
-    if b"\r" in events:
-        events = events.replace(b"\r\n", b"\n").replace(b"\r", b"\n")
-    out = []
-    for line in events.split(b"\n"):
-        if not line.startswith(b"data:"):
-            continue
-        data = line[5:].strip()
-        if data == b"[DONE]":
-            out.append(stream.finish())
-            continue
-        try:
-            out.append(stream.feed(orjson.loads(data)))
-        except orjson.JSONDecodeError:
-            continue
-    return b"".join(out)
 
 
 class AnthropicMeter(Meter):

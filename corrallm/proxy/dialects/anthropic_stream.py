@@ -1,31 +1,38 @@
 """Chat Completions stream chunks in, Anthropic Messages events out (SPEC §16 K1), pure:
-`EventStream` emits `message_start`, `content_block_*` (text and `input_json` deltas),
-`message_delta` and `message_stop` as the chunks come.
+`AnthropicStream` (a `stream.StreamTranslator`) emits `message_start`, `content_block_*`
+(text and `input_json` deltas), `message_delta` and `message_stop` as the chunks come.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from corrallm.http.errors import ApiError
 from corrallm.proxy.dialects.anthropic_translate import (
+    MessageEcho,
+    error_event,
     event,
     stop_reason,
     usage_of,
 )
+from corrallm.proxy.relay import SSE
 
 # -- streaming: Chat chunks -> Anthropic events ---------------------------------------------
 
 
-class EventStream:
-    """Chat SSE chunks (parsed) in, Anthropic SSE events (bytes) out.
+class AnthropicStream:
+    """Chat SSE chunks (parsed) in, Anthropic SSE events (bytes) out
+    (`stream.StreamTranslator`).
 
     One content block is open at a time: text, or one tool call (a Chat tool call's
-    `index` says which); a delta of another kind closes it and opens the next.
+    `index` says which); a delta of another kind closes it and opens the next. The
+    stream opens with the first chunk (`message_start` carries its id).
     """
 
-    def __init__(self, model: str, stops: list[str] | None = None) -> None:
-        self.model = model
-        self.stops = stops or []
+    content_type = SSE
+
+    def __init__(self, echo: MessageEcho) -> None:
+        self.echo = echo
         self.started = False
         self.finished = False
         self.index = -1  # the content block open, -1: none
@@ -35,13 +42,16 @@ class EventStream:
         self.stop_sequence: str | None = None
         self.usage = {"input_tokens": 0, "output_tokens": 0}
 
+    def start(self) -> bytes:
+        return b""  # `message_start` goes out with the first chunk, whose id it carries
+
     def _start(self, chunk: dict[str, Any]) -> bytes:
         self.started = True
         message: dict[str, Any] = {
             "id": "msg_" + str(chunk.get("id", "")),
             "type": "message",
             "role": "assistant",
-            "model": self.model,
+            "model": self.echo.model,
             "content": [],
             "stop_reason": None,
             "stop_sequence": None,
@@ -88,7 +98,7 @@ class EventStream:
                 if isinstance(call, dict):
                     out += self._tool_delta(call)
         if choice.get("finish_reason"):
-            self.stop_reason, self.stop_sequence = stop_reason(choice, self.stops)
+            self.stop_reason, self.stop_sequence = stop_reason(choice, self.echo.stops)
         return out
 
     def _tool_delta(self, call: dict[str, Any]) -> bytes:
@@ -123,3 +133,8 @@ class EventStream:
             "message_delta", {"type": "message_delta", "delta": delta, "usage": self.usage}
         )
         return out + event("message_stop", {"type": "message_stop"})
+
+    def fail(self, error: ApiError) -> bytes:
+        """What ends a stream that broke off or was interrupted: an `error` event."""
+        self.finished = True
+        return error_event(error)

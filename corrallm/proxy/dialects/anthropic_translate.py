@@ -2,7 +2,8 @@
 
 - `to_chat(payload)`: a Messages request, checked field by field (a malformed one is a 400
   naming the field, never a 5xx further on), as a Chat Completions request.
-- `from_chat(answer, model)`: a Chat Completions answer as a Messages answer.
+- `from_chat(answer, echo)`: a Chat Completions answer as a Messages answer (the shape
+  of every dialect's whole-answer translator: proxy/dialects/stream.py).
 - the stream (Chat chunks in, Anthropic's events out) is `anthropic_stream.py`'s.
 - `error_shape(status)` / `error_event(...)`: Anthropic's error types and statuses.
 
@@ -11,11 +12,14 @@ No I/O, no clock, no logging: the codec (proxy/anthropic.py) does those.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import orjson
 
 from corrallm.http.errors import ApiError, bad_request
+from corrallm.proxy.dialects.stream import TranslationError
 
 # A request holds at most this many content blocks in all (a hostile one holds 10,000).
 MAX_BLOCKS = 4096
@@ -294,7 +298,16 @@ def prompt_text(chat: dict[str, Any]) -> str:
 # -- answer: Chat -> Messages ---------------------------------------------------------------
 
 
-def stop_reason(choice: dict[str, Any], stops: list[str]) -> tuple[str, str | None]:
+@dataclass(frozen=True, slots=True)
+class MessageEcho:
+    """What a Message repeats of its request: the model asked for, and the stop sequences
+    (one that matched is named as the stop sequence)."""
+
+    model: str
+    stops: Sequence[str] = ()
+
+
+def stop_reason(choice: dict[str, Any], stops: Sequence[str]) -> tuple[str, str | None]:
     """Anthropic's stop_reason, and the stop sequence when the backend says which matched
     (vLLM's `stop_reason`; Chat Completions has no field for it)."""
     matched = choice.get("stop_reason")
@@ -322,15 +335,15 @@ def usage_of(usage: Any) -> dict[str, int]:
     }
 
 
-def from_chat(answer: Any, model: str, stops: list[str] | None = None) -> dict[str, Any]:
+def from_chat(answer: Any, echo: MessageEcho) -> dict[str, Any]:
     """A Chat Completions answer as a Messages answer, named after the model asked for."""
     choices = answer.get("choices") if isinstance(answer, dict) else None
     if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
-        raise ApiError(502, "The backend's answer has no choices: not a chat completion.")
+        raise TranslationError("an answer with no choices: not a chat completion.")
     choice = choices[0]
     message: dict[str, Any] = choice.get("message") or {}
     if not isinstance(message, dict):
-        raise ApiError(502, "The backend's answer has no message: not a chat completion.")
+        raise TranslationError("an answer with no message: not a chat completion.")
     content: list[dict[str, Any]] = []
     text = message.get("content")
     if isinstance(text, str) and text:
@@ -348,12 +361,12 @@ def from_chat(answer: Any, model: str, stops: list[str] | None = None) -> dict[s
                 "input": _input(function.get("arguments")),
             }
         )
-    reason, sequence = stop_reason(choice, stops or [])
+    reason, sequence = stop_reason(choice, echo.stops)
     return {
         "id": "msg_" + str(answer.get("id", "")),
         "type": "message",
         "role": "assistant",
-        "model": model,
+        "model": echo.model,
         "content": content,
         "stop_reason": reason,
         "stop_sequence": sequence,

@@ -34,8 +34,8 @@ from corrallm.proxy.dialects.ollama_catalog import unload_idle, unload_later
 from corrallm.proxy.dialects.ollama_stream import Lines
 from corrallm.proxy.dialects.ollama_translate import (
     NDJSON,
+    OllamaRequest,
     Timings,
-    Translated,
     answer,
     error_line,
     error_status,
@@ -48,7 +48,7 @@ from corrallm.proxy.dialects.openai import upstream_body
 from corrallm.proxy.feedback import StreamForm
 from corrallm.proxy.metering import Meter
 from corrallm.proxy.pipeline import Inbound, Pipeline, caller_key, ready
-from corrallm.proxy.relay import Codec, Mode, upstream_error
+from corrallm.proxy.relay import Codec, Mode
 from corrallm.routing.affinity import session_key
 from corrallm.routing.router import Route
 
@@ -98,7 +98,7 @@ class Ollama:
         payload, asked = parse(body)
         path: str = scope["path"]
         model = served_name(asked, pipeline.runtime.models)
-        self.request: Translated = read(path, payload, model)
+        self.request: OllamaRequest = read(path, payload, model)
         self.asked = asked  # answers are named as the client named the model
         self.arrived = time.monotonic()
         chat = self.request.body
@@ -136,11 +136,12 @@ class OllamaAnswer:
     __slots__ = ("admitted", "arrived", "lines", "meter", "model", "request")
 
     cuttable = True
+    stream_type = NDJSON
 
     def __init__(
         self,
         meter: Meter,
-        request: Translated,
+        request: OllamaRequest,
         model: str,
         lines: Lines | None,
         arrived: float,
@@ -161,9 +162,6 @@ class OllamaAnswer:
         if status < 400 and kind == "application/json" and self.lines is None:
             return Mode.WHOLE
         return Mode.REFUSE
-
-    def refusal(self, status: int, body: bytes, backend: str) -> ApiError:
-        return upstream_error(status, body, backend)
 
     def whole(self, body: bytes, backend: str) -> bytes:
         try:
@@ -190,9 +188,6 @@ class OllamaAnswer:
 
     def fail(self, error: ApiError) -> bytes:
         return error_line(error)
-
-    def settle(self, sent: int) -> None:
-        pass
 
 
 def _translate(events: bytes, lines: Lines, times: Callable[[], Timings]) -> bytes:

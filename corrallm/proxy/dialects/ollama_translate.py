@@ -3,7 +3,7 @@ data in, data out.
 
 - `read(path, payload, model)`: an `/api/chat`, `/api/generate`, `/api/embed` or
   `/api/embeddings` request, checked field by field (a malformed one is a 400 naming the
-  field), as the OpenAI request to send (`Translated`).
+  field), as the OpenAI request to send (`OllamaRequest`).
 - `answer(kind, answer, ...)`: the backend's answer, held whole, in Ollama's shape.
 - the stream (Chat or Completions chunks in, NDJSON lines out) is `ollama_stream.py`'s.
 - `error_status` / `error_line`: Ollama's error shape, `{"error": "<message>"}`.
@@ -47,7 +47,7 @@ _WEBP = "UklGR"
 
 
 @dataclass(frozen=True, slots=True)
-class Translated:
+class OllamaRequest:
     """An Ollama request as the OpenAI request that serves it."""
 
     path: str  # the Ollama path it came in on
@@ -76,7 +76,7 @@ def served_name(name: str, known: Container[str]) -> str:
     return name[: -len(LATEST)]
 
 
-def read(path: str, payload: dict[str, Any], model: str) -> Translated:
+def read(path: str, payload: dict[str, Any], model: str) -> OllamaRequest:
     """The request on `path` as the OpenAI request for the served model `model`."""
     if path == CHAT:
         return _chat(payload, model)
@@ -88,7 +88,7 @@ def read(path: str, payload: dict[str, Any], model: str) -> Translated:
 # -- requests --------------------------------------------------------------------------------
 
 
-def _chat(payload: dict[str, Any], model: str) -> Translated:
+def _chat(payload: dict[str, Any], model: str) -> OllamaRequest:
     stream = _stream(payload)
     turns = payload.get("messages")
     if turns is None:
@@ -102,7 +102,7 @@ def _chat(payload: dict[str, Any], model: str) -> Translated:
     return _done(CHAT, CHAT_PATH, body, stream, limit, payload, empty=not turns)
 
 
-def _generate(payload: dict[str, Any], model: str) -> Translated:
+def _generate(payload: dict[str, Any], model: str) -> OllamaRequest:
     stream = _stream(payload)
     prompt = _text(payload, "prompt")
     system = _text(payload, "system")
@@ -129,7 +129,7 @@ def _generate(payload: dict[str, Any], model: str) -> Translated:
     return _done(GENERATE, upstream, body, stream, limit, payload, empty=empty)
 
 
-def _embed(path: str, payload: dict[str, Any], model: str) -> Translated:
+def _embed(path: str, payload: dict[str, Any], model: str) -> OllamaRequest:
     body: dict[str, Any] = {"model": model}
     if path == EMBED:
         given = payload.get("input", "")
@@ -154,12 +154,12 @@ def _done(
     limit: int | None,
     payload: dict[str, Any],
     empty: bool = False,
-) -> Translated:
+) -> OllamaRequest:
     if stream:
         body["stream"] = True
         body["stream_options"] = {"include_usage": True}  # the final line's counts (C2)
     unload = unloads(payload.get("keep_alive"))
-    return Translated(path, upstream, body, stream, limit, unload, empty)
+    return OllamaRequest(path, upstream, body, stream, limit, unload, empty)
 
 
 def _stream(payload: dict[str, Any]) -> bool:
@@ -516,7 +516,7 @@ def message(choice: dict[str, Any]) -> dict[str, Any]:
 
 
 def answer(
-    request: Translated, body: Any, model: str, now: float, times: Timings
+    request: OllamaRequest, body: Any, model: str, now: float, times: Timings
 ) -> dict[str, Any]:
     """The backend's whole answer to `request` in Ollama's shape, named `model` (what the
     client asked for)."""
@@ -551,7 +551,7 @@ def answer(
     return out
 
 
-def settled(request: Translated, model: str, now: float, reason: str) -> dict[str, Any]:
+def settled(request: OllamaRequest, model: str, now: float, reason: str) -> dict[str, Any]:
     """The answer to a request with nothing to generate: the model loaded (`load`) or
     unloaded (`unload`), as Ollama answers it."""
     out: dict[str, Any] = {"model": model, "created_at": created_at(now)}

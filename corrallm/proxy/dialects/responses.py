@@ -19,20 +19,21 @@ from typing import Any
 import orjson
 
 from corrallm.http.asgi import Receive, Scope, Send
-from corrallm.http.errors import ApiError, bad_gateway, bad_request
+from corrallm.http.errors import ApiError, bad_request
 from corrallm.proxy import relay
 from corrallm.proxy.dialects.openai import filtered, parse_request, upstream_body
-from corrallm.proxy.dialects.responses_stream import StreamTranslator, encode
+from corrallm.proxy.dialects.responses_stream import ResponsesStream, encode
 from corrallm.proxy.dialects.responses_translate import (
     Echo,
     Refused,
     check_request,
+    from_chat,
     to_chat,
-    to_response,
 )
+from corrallm.proxy.dialects.stream import Translated
 from corrallm.proxy.metering import Meter
 from corrallm.proxy.pipeline import Inbound, Pipeline, caller_key
-from corrallm.proxy.relay import AsSent, Codec, Mode, upstream_error
+from corrallm.proxy.relay import SSE, AsSent, Codec, Mode
 from corrallm.routing.affinity import session_key
 from corrallm.routing.router import Route
 
@@ -94,10 +95,11 @@ class Responses:
         return CHAT_PATH, upstream_body(b"", dict(self.chat), route, force=True)
 
     def answer(self, route: Route) -> Codec:
-        if native(route) and not self.stream:
-            return AsSent(Meter())  # a native answer, not streamed: passed on as it came
-        translator = None if native(route) else StreamTranslator(self.echo)
-        return ResponsesAnswer(Meter(), translator, self.stream, self.echo)
+        if native(route):
+            # Passed on as it came; a stream in whole events, its usage read at its end.
+            return ResponsesNative() if self.stream else AsSent(Meter())
+        modes = streamed if self.stream else whole
+        return Translated(ResponsesStream(self.echo), from_chat, self.echo, modes)
 
     def error_event(self, error: ApiError) -> bytes:
         return error_event(error)
@@ -120,86 +122,55 @@ def native_body(body: bytes, payload: dict[str, Any], route: Route) -> bytes:
     return orjson.dumps(payload) if changed else body
 
 
-class ResponsesAnswer:
-    """One upstream answer in the Responses shape: a native stream passed on in whole
-    events, its usage read from its closing event; a Chat answer or stream translated
-    (`translator`). Anything else (an error) is passed on as it came, whole."""
+def streamed(status: int, kind: str) -> Mode:
+    """A streamed request's answer: a 200 stream is the Responses stream (native, or
+    translated); anything else (an error) is passed on as it came, whole."""
+    return Mode.EVENTS if status == 200 and kind == "text/event-stream" else Mode.AS_IS
 
-    __slots__ = ("echo", "meter", "streamed", "translator")
+
+def whole(status: int, kind: str) -> Mode:
+    """A request not streamed: a 200 Chat answer is translated into a Response; anything
+    else (an error) is passed on as it came, whole."""
+    return Mode.WHOLE if status == 200 and kind == "application/json" else Mode.AS_IS
+
+
+class ResponsesNative:
+    """A native Responses stream: passed on in whole events, its usage read from its
+    closing event (`response.completed` and kin)."""
+
+    __slots__ = ("meter",)
 
     cuttable = True
+    stream_type = SSE
+    mode = staticmethod(streamed)
 
-    def __init__(
-        self, meter: Meter, translator: StreamTranslator | None, streamed: bool, echo: Echo
-    ) -> None:
-        self.meter, self.translator, self.streamed, self.echo = meter, translator, streamed, echo
-
-    def mode(self, status: int, kind: str) -> Mode:
-        if status != 200:
-            return Mode.AS_IS
-        if self.streamed:
-            return Mode.EVENTS if kind == "text/event-stream" else Mode.AS_IS
-        return Mode.WHOLE if kind == "application/json" else Mode.AS_IS
-
-    def refusal(self, status: int, body: bytes, backend: str) -> ApiError:
-        return upstream_error(status, body, backend)
+    def __init__(self) -> None:
+        self.meter = Meter()
 
     def whole(self, body: bytes, backend: str) -> bytes:
-        try:
-            answer = orjson.loads(body)
-        except orjson.JSONDecodeError:
-            raise bad_gateway(
-                f"backend '{backend}' answered with JSON that does not "
-                "parse; its log (GET /api/v1/models/logs) may say why."
-            ) from None
-        return orjson.dumps(to_response(answer, self.echo))
+        return body
 
     def begin(self) -> bytes:
-        return b"" if self.translator is None else encode(self.translator.start())
+        return b""
 
     def events(self, data: bytes) -> bytes:
-        translator = self.translator
-        if translator is None:  # native: as sent, its usage read from the last event
-            if any(end in data for end in _ENDS):
-                usage = final_usage(data)
-                if usage is not None:
-                    self.meter.usage = usage
-            return data
-        out: list[dict[str, Any]] = []
-        for line in data.splitlines():
-            if not line.startswith(b"data:"):
-                continue
-            text = line[5:].strip()
-            if not text or text == b"[DONE]":
-                continue
-            try:
-                out.extend(translator.feed(orjson.loads(text)))
-            except orjson.JSONDecodeError:
-                continue
-        return encode(out) if out else b""
+        if any(end in data for end in _ENDS):
+            usage = final_usage(data)
+            if usage is not None:
+                self.meter.usage = usage
+        return data
 
     def done(self, sent: bytes) -> bool:
-        return self.translator is None and any(end in sent for end in _ENDS)
+        return any(end in sent for end in _ENDS)
 
     def close(self, tail: bytes) -> bytes:
-        out = self.events(tail) if tail else b""
-        if self.translator is not None:
-            out += encode(self.translator.finish())
-        return out
+        return self.events(tail) if tail else b""
 
     def fail(self, error: ApiError) -> bytes:
-        """The events that end a stream which cannot go on, in the Responses shape."""
+        """The error event that ends a stream which cannot go on."""
         code = error.code or "error"
-        if self.translator is not None:
-            return encode(self.translator.fail(code, error.message))
         event = {"type": "error", "sequence_number": self.meter.events, "code": code}
         return encode([{**event, "message": error.message, "param": None}])
-
-    def settle(self, sent: int) -> None:
-        translator = self.translator
-        if translator is not None and isinstance(translator.usage, dict):
-            self.meter.usage = translator.usage
-        self.meter.bytes_out = sent
 
 
 def final_usage(data: bytes) -> dict[str, Any] | None:

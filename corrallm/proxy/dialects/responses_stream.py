@@ -1,6 +1,7 @@
 """Chat Completions stream chunks in, OpenAI Responses stream events out (SPEC §16 K2), pure:
-`StreamTranslator` emits `response.created` ... `response.completed` (or `incomplete`,
-`failed`), each with its `sequence_number`; `encode()` frames them as named SSE events.
+`ResponsesStream` (a `stream.StreamTranslator`) emits `response.created` ...
+`response.completed` (or `incomplete`, `failed`), each with its `sequence_number`, as
+named SSE events (`encode`).
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from typing import Any
 
 import orjson
 
+from corrallm.http.errors import ApiError
 from corrallm.proxy.dialects.responses_translate import (
     Echo,
     call_item,
@@ -18,6 +20,7 @@ from corrallm.proxy.dialects.responses_translate import (
     status_of,
     usage_of,
 )
+from corrallm.proxy.relay import SSE
 
 # -- the stream ----------------------------------------------------------------------------
 
@@ -32,8 +35,9 @@ class _Call:
 
 
 @dataclass
-class StreamTranslator:
-    """Chat Completions chunks in (parsed `data:` objects), Responses events out.
+class ResponsesStream:
+    """Chat Completions chunks in (parsed `data:` objects), Responses events out, encoded
+    (`stream.StreamTranslator`).
 
     `start()` opens the response; `feed(chunk)` turns each chunk into the events it means;
     `finish()` closes every open item and ends with `response.completed` (or
@@ -46,6 +50,8 @@ class StreamTranslator:
     sequence: int = 0
     usage: dict[str, Any] | None = None
     finish_reason: str | None = None
+    finished: bool = False
+    content_type = SSE
     _text_item: tuple[int, str] | None = None  # (output index, item id)
     _text: list[str] = field(default_factory=list)
     _calls: dict[int, _Call] = field(default_factory=dict)  # by the chat tool-call index
@@ -56,15 +62,21 @@ class StreamTranslator:
         self.sequence += 1
         return event
 
-    def start(self) -> list[dict[str, Any]]:
+    def start(self) -> bytes:
         created = self.echo.response("in_progress", [])
-        return [
-            self._event("response.created", response=created),
-            self._event("response.in_progress", response=created),
-        ]
+        return encode(
+            [
+                self._event("response.created", response=created),
+                self._event("response.in_progress", response=created),
+            ]
+        )
 
-    def feed(self, chunk: Any) -> list[dict[str, Any]]:
-        if not isinstance(chunk, dict):
+    def feed(self, chunk: Any) -> bytes:
+        events = self._events_of(chunk)
+        return encode(events) if events else b""
+
+    def _events_of(self, chunk: Any) -> list[dict[str, Any]]:
+        if not isinstance(chunk, dict) or self.finished:
             return []
         events: list[dict[str, Any]] = []
         if isinstance(chunk.get("usage"), dict):
@@ -173,7 +185,11 @@ class StreamTranslator:
             items.append((c.index, call_item(c.item_id, c.call_id, c.name, c.arguments, status)))
         return [item for _, item in sorted(items, key=lambda pair: pair[0])]
 
-    def finish(self) -> list[dict[str, Any]]:
+    def finish(self) -> bytes:
+        """The closing events (b"" once the stream is finished)."""
+        if self.finished:
+            return b""
+        self.finished = True
         status = status_of(self.finish_reason)
         events: list[dict[str, Any]] = []
         output = self.output(status)
@@ -221,18 +237,25 @@ class StreamTranslator:
         final = self.echo.response(status, output, usage_of(self.usage), self.finish_reason)
         kind = "response.completed" if status == "completed" else "response.incomplete"
         events.append(self._event(kind, response=final))
-        return events
+        return encode(events)
 
-    def fail(self, code: str, message: str) -> list[dict[str, Any]]:
-        """End a stream that broke off (backend gone, timeout, preemption)."""
-        error = {"code": code, "message": message}
+    def fail(self, error: ApiError) -> bytes:
+        """End a stream that broke off (backend gone, timeout, preemption): an `error`
+        event and `response.failed` with what was said so far."""
+        self.finished = True
+        code, message = error.code or "error", error.message
         failed = self.echo.response(
-            "failed", self.output("incomplete"), usage_of(self.usage), error=error
+            "failed",
+            self.output("incomplete"),
+            usage_of(self.usage),
+            error={"code": code, "message": message},
         )
-        return [
-            self._event("error", code=code, message=message, param=None),
-            self._event("response.failed", response=failed),
-        ]
+        return encode(
+            [
+                self._event("error", code=code, message=message, param=None),
+                self._event("response.failed", response=failed),
+            ]
+        )
 
 
 def encode(events: list[dict[str, Any]]) -> bytes:

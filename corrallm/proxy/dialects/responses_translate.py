@@ -2,7 +2,8 @@
 
 - `to_chat(payload)`: a stateless Responses request as a Chat Completions request, or
   `Refused` saying what cannot be translated and what to send instead;
-- `to_response(chat, echo)`: a Chat Completions answer as a Response object;
+- `from_chat(chat, echo)`: a Chat Completions answer as a Response object (the shape of
+  every dialect's whole-answer translator: proxy/dialects/stream.py);
 - the stream (Chat chunks in, Responses events out) is `responses_stream.py`'s.
 
 `check_request(payload)` is what both ways (native and translated) need to hold: the
@@ -434,8 +435,10 @@ def call_item(
     }
 
 
-def to_response(chat: Any, echo: Echo) -> dict[str, Any]:
-    """A Response object for a Chat Completions answer (a dict parsed from its JSON)."""
+def from_chat(chat: Any, echo: Echo) -> dict[str, Any]:
+    """A Response object for a Chat Completions answer (a dict parsed from its JSON): the
+    shape of every dialect's whole-answer translator (proxy/dialects/stream.py). One
+    without choices is a Response with no output, as the backend gave none."""
     choices = chat.get("choices") if isinstance(chat, dict) else None
     choice = choices[0] if isinstance(choices, list) and choices else {}
     message = choice.get("message") if isinstance(choice, dict) else None
