@@ -10,6 +10,7 @@ store whose reads are made to fail, through httpx's ASGI transport.
 from __future__ import annotations
 
 import logging
+import re
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -65,8 +66,10 @@ async def test_issue30_D1_store_down_is_a_503_page_and_one_log_line_per_outage(
     assert (await client.get("/ui/section/activity")).status_code == 200
     assert (await client.get("/")).status_code == 200
     lines = [r for r in caplog.records if r.name.startswith("corrallm.ui")]
-    assert [(r.levelname, r.getMessage().split(" (")[0]) for r in lines] == [
+    # (How long the outage lasted depends on the machine's load: not compared.)
+    assert [(r.levelname, r.getMessage().split(" (")[0].split(" after ")[0]) for r in lines] == [
         ("WARNING", "dashboard: the store is unavailable"),
-        ("INFO", "dashboard: the store is available again after 0.0s"),
+        ("INFO", "dashboard: the store is available again"),
     ], [r.getMessage() for r in lines]
+    assert re.search(r"available again after \d+\.\ds \(12 failed reads\)", lines[1].getMessage())
     assert not [r for r in caplog.records if r.exc_info], "no traceback"
