@@ -79,6 +79,9 @@ class Gateway:
         self.health_timeout = health_timeout
         self.started_at = int(time.time())
         self._tasks: set[asyncio.Task[None]] = set()
+        # Who hears each new topology once it is in force (the relaying workers' owner,
+        # corrallm/workers/owner.py, sends the config on to its workers).
+        self.swapped: list[Callable[[Topology], None]] = []
         # -- the long-lived owners ---------------------------------------------------
         self.probe = HealthProbe()
         self.store = store_at(db_path or home / "corrallm.db")  # X5: a URL is PostgreSQL
@@ -176,6 +179,8 @@ class Gateway:
         self.admission.reconfigure(config, topology.routes)
         self.pauses.targets = topology.pausables()
         self._place(topology)
+        for hear in self.swapped:
+            hear(topology)
 
     def _peer_moved(self, view: PeerView) -> None:
         """X4: a peer went down (its requests are moved off it) or came back."""

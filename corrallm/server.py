@@ -66,18 +66,23 @@ class Served:
     gateway: Gateway
     redactor: Redactor
     sock: socket.socket  # bound by `listen` before anything started
+    app: CorrallmApp
 
     def run(self) -> None:
         """Serve until stopped (blocks), on the socket bound before anything started."""
         self.server.run(sockets=[self.sock])
 
 
-def listen(addr: str) -> socket.socket:
+def listen(addr: str, reuse_port: bool = False) -> socket.socket:
     """The gateway's listening socket, bound before anything starts (uvicorn listens on it):
-    an address in use stops `serve` at once with one line naming what holds it."""
+    an address in use stops `serve` at once with one line naming what holds it.
+    `reuse_port`: one of several (`serve --workers`: the kernel spreads connections over
+    the sockets that listen)."""
     host, port = parse_addr(addr)
     sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    if reuse_port:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
     try:
         sock.bind((host, port))
     except OSError as exc:
@@ -106,12 +111,19 @@ def run(config: Config, options: ServeOptions) -> None:
     served.run()
 
 
-def build(config: Config, options: ServeOptions, *, owns_process: bool = True) -> Served:
+def build(
+    config: Config,
+    options: ServeOptions,
+    *,
+    owns_process: bool = True,
+    sock: socket.socket | None = None,
+) -> Served:
     """The gateway, its app and its uvicorn server, as `corrallm serve` runs them.
     `owns_process=False` (a gateway run in a thread of a process that is not its own, as
     the tests do): no SIGHUP handler and the garbage collector left as it is; uvicorn
-    itself listens to signals only from the main thread."""
-    sock = listen(options.addr)  # before anything starts or says it has
+    itself listens to signals only from the main thread. `sock`: serve there instead of
+    on `options.addr` (`serve --workers`: the owner's Unix socket)."""
+    sock = sock or listen(options.addr)  # before anything starts or says it has
     try:
         return _build(config, options, sock, owns_process)
     except BaseException:
@@ -169,8 +181,9 @@ def _build(
         format_size(bodies.max_memory),
         format_size(event_buffer),
     )
+    app = CorrallmApp(gateway, token, options.web_root, bodies, owns_process=owns_process)
     uvicorn_config = uvicorn.Config(
-        CorrallmApp(gateway, token, options.web_root, bodies, owns_process=owns_process),
+        app,
         host=host,
         port=port,
         loop="uvloop",
@@ -191,4 +204,4 @@ def _build(
         timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_SECONDS,
     )
     redactor = Redactor(lambda: gateway.captures.secrets.texts)
-    return Served(uvicorn.Server(uvicorn_config), gateway, redactor, sock)
+    return Served(uvicorn.Server(uvicorn_config), gateway, redactor, sock, app)

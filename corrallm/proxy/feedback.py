@@ -15,7 +15,7 @@ import asyncio
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Protocol, TypeVar
+from typing import TYPE_CHECKING, Protocol, TypeVar
 
 import orjson
 
@@ -23,7 +23,9 @@ from corrallm.config.schema import Config, Feedback
 from corrallm.http.asgi import Message, Send
 from corrallm.http.errors import ApiError
 from corrallm.routing.router import Route
-from corrallm.scheduler.core import Scheduler
+
+if TYPE_CHECKING:
+    from corrallm.proxy.runtime import Queues
 
 T = TypeVar("T")
 
@@ -105,7 +107,7 @@ class QueueNote:
     """What a queued client is told (K4): its place by arrival among those waiting for
     the backend, and when a slot is expected (the measured average dwell)."""
 
-    def __init__(self, core: Scheduler, backend: str, request_id: int | None = None) -> None:
+    def __init__(self, core: Queues, backend: str, request_id: int | None = None) -> None:
         self.core, self.backend, self.request_id = core, backend, request_id
 
     def queued(self, request_id: int) -> None:

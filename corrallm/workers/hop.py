@@ -1,0 +1,103 @@
+"""The hop between a relaying worker and the owner of state: frames on a Unix socket.
+
+A frame is a 9-byte head (`<IBI`: the payload's length, the message kind, the worker's
+number for the request it is about) and a payload: nothing, an orjson array (the
+per-request messages: a few strings and numbers, cheaper to write and read than any
+struct of variable fields in Python), or a pickle (the config and a capture record,
+which only ever cross between processes of this one program, on a socket in a folder
+only its user may open).
+
+Writes are corked: every frame a loop iteration sends goes out in one `write` at its end,
+so that the messages of many requests share a system call (`release` and `done` are never
+waited for). Both ends are `Link`s; each reads whole frames and hands them to `frame()`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import struct
+from typing import Any, cast
+
+import orjson
+
+HEAD = struct.Struct("<IBI")
+
+
+class Kind(enum.IntEnum):
+    # worker -> owner
+    JOIN = 1  # [index, pid]: a worker says who it is, once
+    ACQUIRE = 3  # [its live entry the first time, model, max tokens, session, hop]:
+    # the pause, limits, spend, a slot and a ready backend for it
+    RELEASE = 4  # [tokens, dollars]: its slot is given back
+    REQUEUE = 5  # preempted before it sent anything: queued again
+    WITHDRAW = 6  # it stopped waiting (its client left, or it was cancelled)
+    DONE = 7  # [its live entry if never sent, status, error, metered..., ttfb, waited]
+    CAPTURE = 8  # pickle: a capture record for the owner's ring (O2)
+    # owner -> worker
+    HELLO = 20  # pickle: the worker's brief (config, address, admin token)
+    CONFIG = 21  # pickle: the config now in force (a reload)
+    QUEUED = 22  # [ticket, backend, position, waiting, eta]
+    ADMITTED = 24  # [route id, base url, ticket, preemptible, rate-limit headers]
+    REFUSED = 25  # the ApiError's fields: the surface renders it
+    INTERRUPT = 26  # [reason, detail]: preempted, cancelled, its peer down
+
+
+def frame(kind: Kind, rid: int, payload: bytes = b"") -> bytes:
+    return HEAD.pack(len(payload), kind, rid) + payload
+
+
+def encode(value: Any) -> bytes:
+    return orjson.dumps(value)
+
+
+decode = orjson.loads
+
+
+class Link(asyncio.Protocol):
+    """One end of a hop connection: frames in (`frame()`), frames out (`send()`)."""
+
+    def __init__(self) -> None:
+        self.transport: asyncio.Transport | None = None
+        self._buffer = bytearray()
+        self._out: list[bytes] = []
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = cast(asyncio.Transport, transport)  # uvloop's is not a subclass
+        self._loop = asyncio.get_running_loop()
+
+    def data_received(self, data: bytes) -> None:
+        buffer = self._buffer
+        buffer += data
+        at, size = 0, len(buffer)
+        while size - at >= 9:
+            length, kind, rid = HEAD.unpack_from(buffer, at)
+            end = at + 9 + length
+            if end > size:
+                break
+            self.frame(kind, rid, bytes(buffer[at + 9 : end]))
+            at = end
+        if at:
+            del buffer[:at]
+
+    def frame(self, kind: int, rid: int, payload: bytes) -> None:
+        raise NotImplementedError
+
+    def send(self, kind: Kind, rid: int, payload: bytes = b"") -> None:
+        if not self._out:
+            assert self._loop is not None
+            self._loop.call_soon(self._flush)
+        self._out.append(frame(kind, rid, payload))
+
+    def flush_now(self) -> None:
+        if self._out:
+            self._flush()
+
+    def _flush(self) -> None:
+        if not self._out:
+            return
+        out, self._out = self._out, []
+        transport = self.transport
+        if transport is not None and not transport.is_closing():
+            transport.write(b"".join(out))

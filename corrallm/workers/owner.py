@@ -1,0 +1,422 @@
+"""The owner's end of the hop (`serve --workers N`): each worker's requests, as the one
+owner of state holds them.
+
+A worker asks for what only the owner may decide, in the pipeline's order: a request
+is entered in the live list (`OPEN`), then `ACQUIRE` runs the gates that read state —
+the pause, the key's rate windows and spend (T3, S6), a slot (the `Admission` every
+request of every worker shares) and a ready backend (loads happen here, once) — and
+answers `ADMITTED` with the route and its URL, or `REFUSED` with the error the surface
+renders. `RELEASE` and `DONE` (the visit settled: the ledger, metrics, the activity row)
+are never waited for. Preemption, an operator's cancel and a peer going down are
+`INTERRUPT`s sent to the worker holding the request (its `RemoteStop`).
+
+A worker that goes away (killed, crashed) ends its connection: everything it held is
+let go at once — slots, backends' in-flight counts, rate-limit holds — and settled as
+499s, so nothing leaks (the pool respawns it: corrallm/workers/pool.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import pickle
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from corrallm.auth.throttle import Pass, asks_of
+from corrallm.cost.ledger import Visit
+from corrallm.cost.model import Metered
+from corrallm.http.errors import ApiError, not_found, quoted
+from corrallm.lifecycle.errors import RETIRED
+from corrallm.proxy.pipeline import enter_ready, ready
+from corrallm.proxy.refusals import model_paused, rate_limited, spend_limited, too_many_requests
+from corrallm.scheduler.admission import Rejected
+from corrallm.scheduler.ticket import Interrupt, Stop, Ticket
+from corrallm.workers.hop import Kind, Link, decode, encode
+
+if TYPE_CHECKING:
+    from corrallm.auth.keys import Identity
+    from corrallm.config.schema import PriorityGroup
+    from corrallm.gateway import Gateway
+    from corrallm.observe.live import LiveRequest
+    from corrallm.routing.router import Endpoint, Route, ServedModel
+    from corrallm.topology import Topology
+
+log = logging.getLogger("corrallm.workers")
+
+
+@dataclass(frozen=True)
+class Brief:
+    """What a worker is told when it joins: enough to serve exactly as the owner would."""
+
+    config: Any  # corrallm.config.Config (pickled across)
+    addr: str
+    admin_token: str
+    version: int
+
+
+class RemoteStop(Stop):
+    """A worker's request's stop, at the owner: an interrupt is passed to its worker,
+    which records it on the request's own `Stop` there (and decides, as in process,
+    whether a preemption may cut the answer)."""
+
+    __slots__ = ("held",)
+
+    def __init__(self, held: Held) -> None:
+        super().__init__(None)
+        self.held = held
+
+    def interrupt(self, reason: Interrupt, detail: str = "") -> bool:
+        self.note(reason, detail)
+        self.held.link.send(Kind.INTERRUPT, self.held.rid, encode([int(reason), detail]))
+        return True
+
+    def cancel(self) -> bool:
+        return self.interrupt(Interrupt.CANCELLED)
+
+
+class Held:
+    """One request of one worker, from its `OPEN` to its `DONE`."""
+
+    __slots__ = (
+        "entered",
+        "group",
+        "headers",
+        "hop",
+        "identity",
+        "limit",
+        "limits",
+        "link",
+        "live",
+        "load_ms",
+        "passed",
+        "rid",
+        "session",
+        "stop",
+        "task",
+        "ticket",
+        "visit",
+    )
+
+    def __init__(self, link: WorkerLink, rid: int, visit: Visit, live: LiveRequest) -> None:
+        self.link, self.rid, self.visit, self.live = link, rid, visit, live
+        self.group: PriorityGroup | None = None
+        self.identity: Identity | None = None
+        self.limit: int | None = None  # the completion tokens it asks for (estimates)
+        self.session: str | None = None  # K6
+        self.hop = False  # it came from another gateway (X1)
+        self.stop = RemoteStop(self)
+        self.ticket: Ticket | None = None  # the slot it holds
+        self.entered: Endpoint | None = None  # the backend it is counted in flight on
+        self.limits: Pass | None = None  # T3: its place in its key's windows
+        self.passed = False  # its limits and spend were checked (once, however routed)
+        self.headers: list[tuple[str, str]] | None = None  # T3: x-ratelimit-* for the answer
+        self.task: asyncio.Task[None] | None = None  # an acquire under way
+        self.load_ms = 0.0
+
+
+class WorkerLink(Link):
+    """The owner's end of one worker's hop connection."""
+
+    def __init__(self, owner: Owner) -> None:
+        super().__init__()
+        self.owner = owner
+        self.gw = owner.gateway
+        self.held: dict[int, Held] = {}
+        self.index = -1
+        self.pid = 0
+
+    # -- frames in ---------------------------------------------------------------------
+
+    def frame(self, kind: int, rid: int, payload: bytes) -> None:
+        try:
+            if kind == Kind.ACQUIRE:
+                opening, model, limit, session, hop = decode(payload)
+                held = self._open(rid, opening) if opening is not None else self.held[rid]
+                held.visit.model, held.limit, held.session, held.hop = model, limit, session, hop
+                held.task = asyncio.ensure_future(self._acquire(held, None))
+            elif kind == Kind.RELEASE:
+                tokens, dollars = decode(payload)
+                self._release(self.held[rid], tokens, dollars)
+            elif kind == Kind.DONE:
+                self._done(rid, decode(payload))
+            elif kind == Kind.REQUEUE:
+                held = self.held[rid]
+                self._leave(held)
+                held.task = asyncio.ensure_future(self._acquire(held, held.ticket))
+            elif kind == Kind.WITHDRAW:
+                self._let_go(self.held[rid])
+            elif kind == Kind.CAPTURE:
+                self.gw.captures.ring.add(pickle.loads(payload))
+            elif kind == Kind.JOIN:
+                self.index, self.pid = decode(payload)
+                self.owner.joined(self)
+            else:
+                log.warning("worker %d sent an unknown message kind %d", self.index, kind)
+        except Exception:
+            log.exception("worker %d: message %d for request %d failed", self.index, kind, rid)
+
+    def _open(self, rid: int, fields: list[Any]) -> Held:
+        visit = _visit(fields)
+        held = Held(self, rid, visit, self.gw.live.enter(visit))
+        held.live.stop = held.stop.cancel
+        held.group = self.gw.config.priority_groups.get(visit.group)
+        key = visit.key
+        held.identity = self.gw.keys.named(key) if key is not None else None
+        self.held[rid] = held
+        return held
+
+    # -- acquire: the gates that read state, in the pipeline's order ---------------------
+
+    async def _acquire(self, held: Held, requeued: Ticket | None) -> None:
+        gw, visit = self.gw, held.visit
+        try:
+            served = self._served(visit.model, held.passed)
+            if requeued is not None:
+                ticket = await gw.admission.requeue(requeued, held.group)
+            else:
+                if gw.paused("model", served.name):
+                    raise model_paused(served.name, gw.pause_remaining("model", served.name))
+                tiers = served.tiers_for(held.group, gw.placeable, held.hop)
+                if not held.passed:
+                    await self._limits(held, tiers[0][0])
+                    held.passed = True
+                ticket = await self._queue(held, served, tiers)
+            held.ticket = ticket
+            while True:
+                route = ticket.route
+                if gw.stale(route):  # P6: a reload took its backend while it waited
+                    gw.admission.release(ticket)
+                    held.ticket = None
+                    served = self._served(served.name, True)
+                    tiers = served.tiers_for(held.group, gw.placeable, held.hop)
+                    if all(gw.stale(r) for tier in tiers for r in tier):
+                        await ready(tiers[0][0])  # raises why
+                    ticket = held.ticket = await self._queue(held, served, tiers)
+                    continue
+                endpoint = route.endpoint
+                if not endpoint.enter():
+                    held.live.state = "loading"
+                    began = time.monotonic()
+                    try:
+                        await enter_ready(route, (visit.key, visit.group, served.name))
+                    except ApiError as exc:
+                        if exc.code == RETIRED and gw.stale(route):
+                            continue
+                        raise
+                    finally:
+                        held.load_ms += (time.monotonic() - began) * 1000
+                held.entered = endpoint
+                break
+            self._admitted(held, served, ticket)
+        except Rejected as exc:
+            self._refuse(held, too_many_requests(exc))
+        except ApiError as exc:
+            self._refuse(held, exc)
+        except asyncio.CancelledError:
+            pass  # withdrawn: `_let_go` gave back what it held
+        except Exception:
+            log.exception("request=%s: acquiring for a worker failed", visit.request_id)
+            self._refuse(held, ApiError(500, "corrallm hit an unexpected error admitting it."))
+        finally:
+            held.task = None
+
+    def _served(self, model: str, reloaded: bool) -> ServedModel:
+        served = self.gw.models.get(model)
+        if served is None:
+            raise not_found(
+                f"The model '{quoted(model)}' was removed by a config reload while this "
+                "request waited. GET /v1/models lists the models served.",
+                code="model_not_found",
+            )
+        return served
+
+    async def _limits(self, held: Held, first: Route) -> None:
+        """T3 then S6: the key's (and its user's) rate windows, then the spend windows."""
+        gw, visit, identity = self.gw, held.visit, held.identity
+        if identity is not None and identity.limits is not None:
+            asks = asks_of(identity, visit.user)
+            if asks:
+                estimate = gw.ledger.costs.estimate_tokens(first.config, visit.bytes_in, held.limit)
+                verdict = gw.throttle.admit_now(asks, estimate)
+                if verdict is None:
+                    verdict = await gw.throttle.admit(asks, estimate)
+                if not isinstance(verdict, Pass):
+                    refused, remaining = verdict
+                    held.headers = _text(remaining.headers())
+                    raise rate_limited(identity.name, refused)
+                held.limits = verdict
+                held.headers = _text(verdict.remaining.headers())
+        key_limit = identity.spend_limit if identity is not None else None
+        over = await gw.ledger.reserve(visit, first.config, held.limit, key_limit)
+        if over is not None:
+            raise spend_limited(over)
+
+    def _queue(self, held: Held, served: ServedModel, tiers: list[list[Route]]) -> Any:
+        def queued(ticket_id: int) -> None:
+            core, backend = self.gw.admission.core, tiers[0][0].id
+            place = core.position(ticket_id)
+            where, position, waiting = place or (backend, 0, core.load(backend)[2])
+            note = [ticket_id, where, position, waiting, core.retry_after(where)]
+            self.send(Kind.QUEUED, held.rid, encode(note))
+
+        visit = held.visit
+        return self.gw.admission.acquire(
+            visit.group, held.group, tiers, held.session, queued, held.stop
+        )
+
+    def _admitted(self, held: Held, served: ServedModel, ticket: Ticket) -> None:
+        visit, route = held.visit, ticket.route
+        visit.admitted_mono = visit.admitted_mono or time.monotonic()
+        visit.backend, visit.backend_id = route.config, route.id
+        visit.degraded = served.degraded(route)
+        visit.spilled = route not in served.tiers_for(held.group)[0]
+        held.live.state = "running"
+        answer = [route.id, route.endpoint.base_url, ticket.id, ticket.preemptible, held.headers]
+        self.send(Kind.ADMITTED, held.rid, encode(answer))
+
+    def _refuse(self, held: Held, error: ApiError) -> None:
+        self._let_go(held, cancel=False)
+        fields = [
+            error.status,
+            error.message,
+            error.code,
+            error.type,
+            error.param,
+            error.headers,
+            error.extra,
+            error.recorded,
+            held.headers,
+        ]
+        self.send(Kind.REFUSED, held.rid, encode(fields))
+
+    # -- giving back -----------------------------------------------------------------------
+
+    def _leave(self, held: Held) -> None:
+        if held.entered is not None:
+            held.entered.leave()
+            held.entered = None
+
+    def _release(self, held: Held, tokens: int = 0, dollars: float = 0.0) -> None:
+        self._leave(held)
+        if held.ticket is not None:
+            self.gw.admission.release(held.ticket, tokens, dollars)
+            held.ticket = None
+
+    def _let_go(self, held: Held, cancel: bool = True) -> None:
+        """Whatever it holds is given back (it stopped waiting, was refused, or its
+        worker is gone); an acquire under way is cancelled (the admission hands on a
+        slot granted in the same instant)."""
+        if cancel and held.task is not None:
+            held.task.cancel()
+        self._release(held)
+
+    def _done(self, rid: int, fields: list[Any]) -> None:
+        (
+            opening,
+            status,
+            error,
+            prompt,
+            completion,
+            b_in,
+            b_out,
+            estimated,
+            ttfb,
+            preempted,
+            waited,
+        ) = fields
+        held = self.held.pop(rid, None)
+        if held is None:  # refused before it asked for a slot (a gate read from the config)
+            visit = _visit(opening)
+        else:
+            visit = held.visit
+            visit.load_ms = held.load_ms
+            visit.queue_ms = max(0.0, waited - held.load_ms)
+        visit.status, visit.error, visit.ttfb_ms, visit.preempted = status, error, ttfb, preempted
+        if prompt is not None:
+            visit.metered = Metered(prompt, completion, b_in, b_out, estimated)
+        if held is None:
+            self.gw.settle(visit)
+        else:
+            self._settle(held)
+
+    def _settle(self, held: Held) -> None:
+        visit, gw = held.visit, self.gw
+        self._let_go(held)
+        if held.limits is not None:
+            gw.throttle.release(held.limits, visit.metered.tokens if visit.metered else 0)
+            held.limits = None
+        gw.live.leave(held.live)
+        gw.settle(visit)
+
+    # -- the connection ------------------------------------------------------------------
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        held, self.held = self.held, {}
+        for one in held.values():
+            one.visit.status = one.visit.status or 499
+            one.visit.error = one.visit.error or "its worker process ended mid-request"
+            self._settle(one)
+        self.owner.left(self, len(held))
+
+
+def _visit(fields: list[Any]) -> Visit:
+    """The visit a worker opened: [key, group, model, endpoint, bytes in, request id,
+    stream, user]."""
+    key, group, model, endpoint, size, request_id, stream, user = fields
+    visit = Visit(key, group, model, endpoint, size)
+    visit.request_id, visit.stream, visit.user = request_id, stream, user
+    return visit
+
+
+def _text(headers: list[tuple[bytes, bytes]]) -> list[tuple[str, str]]:
+    return [(k.decode("latin-1"), v.decode("latin-1")) for k, v in headers]
+
+
+class Owner:
+    """The hop server: a `WorkerLink` per connected worker, and the config pushed to each
+    whenever the gateway swaps in a new topology (a reload)."""
+
+    def __init__(self, gateway: Gateway, addr: str, admin_token: str) -> None:
+        self.gateway = gateway
+        self.addr, self.admin_token = addr, admin_token
+        self.links: set[WorkerLink] = set()
+        self.server: asyncio.AbstractServer | None = None
+        self.joins: dict[int, asyncio.Event] = {}
+        gateway.swapped.append(self._swapped)
+
+    def brief(self) -> bytes:
+        gw = self.gateway
+        return pickle.dumps(Brief(gw.config, self.addr, self.admin_token, gw.version))
+
+    async def listen(self, path: str) -> None:
+        loop = asyncio.get_running_loop()
+        self.server = await loop.create_unix_server(lambda: WorkerLink(self), path)
+
+    async def close(self) -> None:
+        if self.server is not None:
+            self.server.close()
+        for link in list(self.links):
+            if link.transport is not None:
+                link.transport.close()
+
+    def joined(self, link: WorkerLink) -> None:
+        self.links.add(link)
+        link.send(Kind.HELLO, 0, self.brief())
+        log.info("worker %d (pid %d) joined", link.index, link.pid)
+
+    def left(self, link: WorkerLink, held: int) -> None:
+        self.links.discard(link)
+        if held:
+            log.warning(
+                "worker %d (pid %d) left holding %d requests: their slots are free",
+                link.index,
+                link.pid,
+                held,
+            )
+
+    def _swapped(self, topology: Topology) -> None:
+        config = pickle.dumps(topology.config)
+        for link in self.links:
+            link.send(Kind.CONFIG, 0, config)
