@@ -3,9 +3,9 @@
 The pipeline (proxy/pipeline.py) takes a `Runtime`, not the whole `Gateway`: the served
 models of the topology in force, the caller a key names, the pauses, the long-lived owners
 a request passes through (admission, ledger, throttle, live requests) and a few questions
-about a route. The owners are seen through narrow ports (`Admission`, `Spend`, `Limits`,
-`Live`): each member is a question with a plain answer or one call to an owner, so that a
-relaying worker in another process asks them of the one owner of state across a socket
+about a route. The owners are seen through narrow ports (`Seats`, `Spend`, `Limits`,
+`Live`): each member is a question with a plain answer or one call to an owner, so that
+a relaying worker in another process asks them of the one owner of state across a socket
 (corrallm/workers/remote.py). `Gateway` implements it in process with its own objects;
 tests use a fake (tests/unit/test_pipeline.py).
 """
@@ -35,7 +35,7 @@ class Queues(Protocol):
     def retry_after(self, backend: str) -> float: ...
 
 
-class Admission(Protocol):
+class Seats(Protocol):
     """Slots on backends (scheduler/admission.py's `Admission`, or the owner's across the
     hop): a ticket, given back once; a preempted one queued again."""
 
@@ -75,14 +75,14 @@ class Spend(Protocol):
     def price(self, visit: Visit) -> Price: ...
 
 
-class Counts(Protocol):
+class RateCounts(Protocol):
     def headers(self) -> list[tuple[bytes, bytes]]: ...
 
 
 class Limits(Protocol):
     """Per-key rate windows (auth/throttle.py's `Throttle`)."""
 
-    def counts(self, asks: Sequence[Ask]) -> Counts: ...
+    def counts(self, asks: Sequence[Ask]) -> RateCounts: ...
 
     def admit_now(
         self, asks: Sequence[Ask], estimate: int
@@ -116,7 +116,7 @@ class Runtime(Protocol):
         """Every served model, in config order (for error messages)."""
 
     @property
-    def admission(self) -> Admission: ...
+    def admission(self) -> Seats: ...
     @property
     def ledger(self) -> Spend: ...
     @property

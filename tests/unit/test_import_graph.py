@@ -207,6 +207,26 @@ LAYERS: dict[str, set[str]] = {
     # The process: the ASGI app, the server, the command line.
     "app": {"api", "config", "gateway", "http", "observe", "peers", "proxy", "ui"},
     "server": {"api", "app", "config", "gateway", "http", "lifecycle", "observe", "proxy", "store"},
+    # `serve --workers N`: the owner's hop server and pool, and the relaying worker
+    # process (its app is the server's /v1 path over a runtime that asks the owner), so
+    # it sits above the process pieces it runs twice over (-> api: the admin token).
+    "workers": {
+        "api",
+        "app",
+        "auth",
+        "config",
+        "cost",
+        "gateway",
+        "http",
+        "lifecycle",
+        "observe",
+        "peers",
+        "proxy",
+        "routing",
+        "scheduler",
+        "server",
+        "topology",
+    },
     "cli": {
         "(root)",
         "api",
@@ -217,6 +237,7 @@ LAYERS: dict[str, set[str]] = {
         "residency",
         "server",
         "tools",
+        "workers",
     },
     "__main__": {"cli", "fake_backend"},
 }
