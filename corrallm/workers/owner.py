@@ -21,8 +21,9 @@ import asyncio
 import logging
 import pickle
 import time
+from collections.abc import Coroutine
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from corrallm.auth.throttle import Pass, asks_of
 from corrallm.cost.ledger import Visit
@@ -33,7 +34,7 @@ from corrallm.proxy.pipeline import enter_ready, ready
 from corrallm.proxy.refusals import model_paused, rate_limited, spend_limited, too_many_requests
 from corrallm.scheduler.admission import Rejected
 from corrallm.scheduler.ticket import Interrupt, Stop, Ticket
-from corrallm.workers.hop import Kind, Link, decode, encode
+from corrallm.workers.hop import Kind, Link, decode, eager, encode
 
 if TYPE_CHECKING:
     from corrallm.auth.keys import Identity
@@ -44,6 +45,7 @@ if TYPE_CHECKING:
     from corrallm.topology import Topology
 
 log = logging.getLogger("corrallm.workers")
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -81,6 +83,7 @@ class Held:
 
     __slots__ = (
         "entered",
+        "first",
         "group",
         "headers",
         "hop",
@@ -113,6 +116,7 @@ class Held:
         self.passed = False  # its limits and spend were checked (once, however routed)
         self.headers: list[tuple[str, str]] | None = None  # T3: x-ratelimit-* for the answer
         self.task: asyncio.Task[None] | None = None  # an acquire under way
+        self.first: list[Route] = []  # the first tier it was offered (what spilled means)
         self.load_ms = 0.0
 
 
@@ -135,7 +139,7 @@ class WorkerLink(Link):
                 opening, model, limit, session, hop = decode(payload)
                 held = self._open(rid, opening) if opening is not None else self.held[rid]
                 held.visit.model, held.limit, held.session, held.hop = model, limit, session, hop
-                held.task = asyncio.ensure_future(self._acquire(held, None))
+                held.task = eager(self._acquire(held, None))
             elif kind == Kind.RELEASE:
                 tokens, dollars = decode(payload)
                 self._release(self.held[rid], tokens, dollars)
@@ -144,7 +148,7 @@ class WorkerLink(Link):
             elif kind == Kind.REQUEUE:
                 held = self.held[rid]
                 self._leave(held)
-                held.task = asyncio.ensure_future(self._acquire(held, held.ticket))
+                held.task = eager(self._acquire(held, held.ticket))
             elif kind == Kind.WITHDRAW:
                 self._let_go(self.held[rid])
             elif kind == Kind.CAPTURE:
@@ -174,15 +178,19 @@ class WorkerLink(Link):
         try:
             served = self._served(visit.model, held.passed)
             if requeued is not None:
-                ticket = await gw.admission.requeue(requeued, held.group)
+                ticket = await _task(gw.admission.requeue(requeued, held.group))
             else:
                 if gw.paused("model", served.name):
                     raise model_paused(served.name, gw.pause_remaining("model", served.name))
                 tiers = served.tiers_for(held.group, gw.placeable, held.hop)
+                held.first = tiers[0]
                 if not held.passed:
-                    await self._limits(held, tiers[0][0])
+                    limits = self._limits(held, tiers[0][0])
+                    # In memory these wait for nothing; a shared store's round trip has a
+                    # timeout, which needs a task of its own.
+                    await (_task(limits) if gw.store.dialect.shared else limits)
                     held.passed = True
-                ticket = await self._queue(held, served, tiers)
+                ticket = await self._queue(held, tiers)
             held.ticket = ticket
             while True:
                 route = ticket.route
@@ -191,16 +199,18 @@ class WorkerLink(Link):
                     held.ticket = None
                     served = self._served(served.name, True)
                     tiers = served.tiers_for(held.group, gw.placeable, held.hop)
+                    held.first = tiers[0]
                     if all(gw.stale(r) for tier in tiers for r in tier):
-                        await ready(tiers[0][0])  # raises why
-                    ticket = held.ticket = await self._queue(held, served, tiers)
+                        await _task(ready(tiers[0][0]))  # raises why
+                    ticket = held.ticket = await self._queue(held, tiers)
                     continue
                 endpoint = route.endpoint
                 if not endpoint.enter():
                     held.live.state = "loading"
                     began = time.monotonic()
                     try:
-                        await enter_ready(route, (visit.key, visit.group, served.name))
+                        cause = (visit.key, visit.group, served.name)
+                        await _task(enter_ready(route, cause))
                     except ApiError as exc:
                         if exc.code == RETIRED and gw.stale(route):
                             continue
@@ -253,7 +263,10 @@ class WorkerLink(Link):
         if over is not None:
             raise spend_limited(over)
 
-    def _queue(self, held: Held, served: ServedModel, tiers: list[list[Route]]) -> Any:
+    async def _queue(self, held: Held, tiers: list[list[Route]]) -> Ticket:
+        """A slot, decided now (`eager`: most requests get one without a task); a wait
+        for one in a task of its own (its maxWait is a timeout on it)."""
+
         def queued(ticket_id: int) -> None:
             core, backend = self.gw.admission.core, tiers[0][0].id
             place = core.position(ticket_id)
@@ -262,16 +275,17 @@ class WorkerLink(Link):
             self.send(Kind.QUEUED, held.rid, encode(note))
 
         visit = held.visit
-        return self.gw.admission.acquire(
+        got = self.gw.admission.submit(
             visit.group, held.group, tiers, held.session, queued, held.stop
         )
+        return got if isinstance(got, Ticket) else await _task(got)
 
     def _admitted(self, held: Held, served: ServedModel, ticket: Ticket) -> None:
         visit, route = held.visit, ticket.route
         visit.admitted_mono = visit.admitted_mono or time.monotonic()
         visit.backend, visit.backend_id = route.config, route.id
         visit.degraded = served.degraded(route)
-        visit.spilled = route not in served.tiers_for(held.group)[0]
+        visit.spilled = route not in held.first
         held.live.state = "running"
         answer = [route.id, route.endpoint.base_url, ticket.id, ticket.preemptible, held.headers]
         self.send(Kind.ADMITTED, held.rid, encode(answer))
@@ -359,6 +373,12 @@ class WorkerLink(Link):
             one.visit.error = one.visit.error or "its worker process ended mid-request"
             self._settle(one)
         self.owner.left(self, len(held))
+
+
+def _task(coro: Coroutine[Any, Any, T]) -> asyncio.Task[T]:
+    """What may really wait runs in a task of its own (`eager` ran the rest in place):
+    asyncio's timeouts, and a cancel passed on from the acquire's own task, need one."""
+    return asyncio.ensure_future(coro)
 
 
 def _visit(fields: list[Any]) -> Visit:
