@@ -173,6 +173,7 @@ def start_corrallm(
     llama_port: int | None = None,
     launcher: list[str] | None = None,
     more: dict[str, int] | None = None,
+    workers: int = 1,
 ) -> Target:
     """`corrallm serve` in front of the bench's upstreams (and `more` models: name ->
     upstream port); `launcher` runs it instead of `python -m corrallm` (bench/opcodes.py's
@@ -205,7 +206,8 @@ def start_corrallm(
         "--home",
         str(procs.tmp / "home"),
     ]
-    proc = procs.start("corrallm", cmd, "proxy", env={"ADDR": f"127.0.0.1:{port}"})
+    env = {"ADDR": f"127.0.0.1:{port}", "CORRALLM_WORKERS": str(workers)}
+    proc = procs.start("corrallm", cmd, "proxy", env=env)
     procs.wait_healthy("corrallm", proc, f"http://127.0.0.1:{port}/health")
     url = f"http://127.0.0.1:{port}/v1/chat/completions"
     return Target("corrallm", url, url, proc.pid, url if llama_port else None)
@@ -1050,6 +1052,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     )
     p.add_argument("--no-pin", action="store_true", help="do not pin processes to CPUs")
     p.add_argument(
+        "--workers",
+        type=int,
+        default=1,
+        help="corrallm serve --workers N (1): N relaying workers and their owner share the\n"
+        "proxy's CPUs; bench/workers.py compares counts and measures the owner's share",
+    )
+    p.add_argument(
         "--profile",
         type=Path,
         help="also record corrallm with py-spy (raw collapsed stacks) under wrk into this "
@@ -1121,7 +1130,9 @@ def run(
         ]
         if "corrallm" in wanted:
             try:
-                targets.append(start_corrallm(procs, fast_port, stream_port, llama_port))
+                targets.append(
+                    start_corrallm(procs, fast_port, stream_port, llama_port, workers=args.workers)
+                )
             except RuntimeError as exc:
                 notes.append(f"corrallm row skipped: `corrallm serve` did not start: {exc}")
         nginx = find_nginx()

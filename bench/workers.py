@@ -27,7 +27,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from overhead import (  # noqa: E402
+from overhead import (
     CLK_TCK,
     FAST_TOKENS,
     PROMPT,
@@ -111,7 +111,7 @@ def main(argv: list[str]) -> None:
             procs.close()
     base = rows[0]["rps"]
     print(f"{os.cpu_count()} CPUs, nothing pinned (wrk and the upstream share them)\n")
-    print("| workers | req/s | × first row | gateway CPU µs/req | owner CPU µs/req | errors |")
+    print("| workers | req/s | x first row | gateway CPU µs/req | owner CPU µs/req | errors |")
     print("|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         owner = f"{r['owner_us']:.1f}" if r["workers"] > 1 else "(all of it)"

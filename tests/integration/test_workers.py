@@ -55,9 +55,9 @@ def workers(gw: Gateway) -> list[psutil.Process]:
     found = []
     for child in children:
         try:
-            if "corrallm.workers.worker" in " ".join(child.cmdline()) and child.is_running():
-                if child.status() != psutil.STATUS_ZOMBIE:
-                    found.append(child)
+            worker = "corrallm.workers.worker" in " ".join(child.cmdline())
+            if worker and child.status() != psutil.STATUS_ZOMBIE:
+                found.append(child)
         except psutil.NoSuchProcess:
             continue
     return found
