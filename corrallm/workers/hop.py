@@ -36,6 +36,7 @@ class Kind(enum.IntEnum):
     WITHDRAW = 6  # it stopped waiting (its client left, or it was cancelled)
     DONE = 7  # [its live entry if never sent, status, error, metered..., ttfb, waited]
     CAPTURE = 8  # pickle: a capture record for the owner's ring (O2)
+    PROGRESS = 9  # [[request, events relayed], ...]: tokens so far of its answers (O1)
     # owner -> worker
     HELLO = 20  # pickle: the worker's brief (config, address, admin token)
     CONFIG = 21  # pickle: the config now in force (a reload)

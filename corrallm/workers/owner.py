@@ -78,12 +78,20 @@ class RemoteStop(Stop):
         return self.interrupt(Interrupt.CANCELLED)
 
 
+@dataclass(frozen=True, slots=True)
+class Relayed:
+    """What a worker last said of an answer it relays (the live list's tokens so far)."""
+
+    events: int
+
+
 class Held:
     """One request of one worker, from its `OPEN` to its `DONE`."""
 
     __slots__ = (
         "entered",
         "first",
+        "gone",
         "group",
         "headers",
         "hop",
@@ -100,6 +108,7 @@ class Held:
         "task",
         "ticket",
         "visit",
+        "waiting",
     )
 
     def __init__(self, link: WorkerLink, rid: int, visit: Visit, live: LiveRequest) -> None:
@@ -115,7 +124,9 @@ class Held:
         self.limits: Pass | None = None  # T3: its place in its key's windows
         self.passed = False  # its limits and spend were checked (once, however routed)
         self.headers: list[tuple[str, str]] | None = None  # T3: x-ratelimit-* for the answer
-        self.task: asyncio.Task[None] | None = None  # an acquire under way
+        self.task: asyncio.Task[None] | None = None  # an acquire that waits (kept alive)
+        self.waiting: asyncio.Task[Any] | None = None  # what it waits for in there
+        self.gone = False  # the worker no longer waits for its acquire
         self.first: list[Route] = []  # the first tier it was offered (what spilled means)
         self.load_ms = 0.0
 
@@ -139,6 +150,7 @@ class WorkerLink(Link):
                 opening, model, limit, session, hop = decode(payload)
                 held = self._open(rid, opening) if opening is not None else self.held[rid]
                 held.visit.model, held.limit, held.session, held.hop = model, limit, session, hop
+                held.gone = False
                 held.task = eager(self._acquire(held, None))
             elif kind == Kind.RELEASE:
                 tokens, dollars = decode(payload)
@@ -151,6 +163,11 @@ class WorkerLink(Link):
                 held.task = eager(self._acquire(held, held.ticket))
             elif kind == Kind.WITHDRAW:
                 self._let_go(self.held[rid])
+            elif kind == Kind.PROGRESS:
+                for rid_, events in decode(payload):
+                    relayed = self.held.get(rid_)
+                    if relayed is not None:
+                        relayed.live.meter = Relayed(events)
             elif kind == Kind.CAPTURE:
                 self.gw.captures.ring.add(pickle.loads(payload))
             elif kind == Kind.JOIN:
@@ -178,7 +195,10 @@ class WorkerLink(Link):
         try:
             served = self._served(visit.model, held.passed)
             if requeued is not None:
-                ticket = await _task(gw.admission.requeue(requeued, held.group))
+                ticket = held.ticket = await self._wait(
+                    held, gw.admission.requeue(requeued, held.group)
+                )
+                self._still(held)
             else:
                 if gw.paused("model", served.name):
                     raise model_paused(served.name, gw.pause_remaining("model", served.name))
@@ -188,10 +208,11 @@ class WorkerLink(Link):
                     limits = self._limits(held, tiers[0][0])
                     # In memory these wait for nothing; a shared store's round trip has a
                     # timeout, which needs a task of its own.
-                    await (_task(limits) if gw.store.dialect.shared else limits)
+                    await (self._wait(held, limits) if gw.store.dialect.shared else limits)
+                    self._still(held)
                     held.passed = True
-                ticket = await self._queue(held, tiers)
-            held.ticket = ticket
+                ticket = held.ticket = await self._queue(held, tiers)
+                self._still(held)
             while True:
                 route = ticket.route
                 if gw.stale(route):  # P6: a reload took its backend while it waited
@@ -201,8 +222,9 @@ class WorkerLink(Link):
                     tiers = served.tiers_for(held.group, gw.placeable, held.hop)
                     held.first = tiers[0]
                     if all(gw.stale(r) for tier in tiers for r in tier):
-                        await _task(ready(tiers[0][0]))  # raises why
+                        await self._wait(held, ready(tiers[0][0]))  # raises why
                     ticket = held.ticket = await self._queue(held, tiers)
+                    self._still(held)
                     continue
                 endpoint = route.endpoint
                 if not endpoint.enter():
@@ -210,7 +232,7 @@ class WorkerLink(Link):
                     began = time.monotonic()
                     try:
                         cause = (visit.key, visit.group, served.name)
-                        await _task(enter_ready(route, cause))
+                        await self._wait(held, enter_ready(route, cause))
                     except ApiError as exc:
                         if exc.code == RETIRED and gw.stale(route):
                             continue
@@ -218,14 +240,15 @@ class WorkerLink(Link):
                     finally:
                         held.load_ms += (time.monotonic() - began) * 1000
                 held.entered = endpoint
+                self._still(held)
                 break
             self._admitted(held, served, ticket)
         except Rejected as exc:
             self._refuse(held, too_many_requests(exc))
         except ApiError as exc:
             self._refuse(held, exc)
-        except asyncio.CancelledError:
-            pass  # withdrawn: `_let_go` gave back what it held
+        except _Withdrawn:
+            self._release(held)  # what it got as it went (`_let_go` gave back the rest)
         except Exception:
             log.exception("request=%s: acquiring for a worker failed", visit.request_id)
             self._refuse(held, ApiError(500, "corrallm hit an unexpected error admitting it."))
@@ -278,7 +301,30 @@ class WorkerLink(Link):
         got = self.gw.admission.submit(
             visit.group, held.group, tiers, held.session, queued, held.stop
         )
-        return got if isinstance(got, Ticket) else await _task(got)
+        return got if isinstance(got, Ticket) else await self._wait(held, got)
+
+    async def _wait(self, held: Held, coro: Coroutine[Any, Any, T]) -> T:
+        """What may really wait (a queue, a load, a shared store's round trip) runs in a
+        task of its own: asyncio's timeouts need one (`eager` ran the rest in place),
+        and it is what `_let_go` cancels when the worker stops waiting (the admission
+        then hands on a slot granted in the same instant). Never the acquire itself:
+        what the wait got as it was let go is given back by the acquire."""
+        task: asyncio.Task[T] = asyncio.ensure_future(coro)
+        held.waiting = task
+        try:
+            return await task
+        except asyncio.CancelledError:
+            if held.gone:
+                raise _Withdrawn from None
+            raise
+        finally:
+            held.waiting = None
+
+    @staticmethod
+    def _still(held: Held) -> None:
+        """After a wait: the worker still waits for this request."""
+        if held.gone:
+            raise _Withdrawn
 
     def _admitted(self, held: Held, served: ServedModel, ticket: Ticket) -> None:
         visit, route = held.visit, ticket.route
@@ -291,7 +337,7 @@ class WorkerLink(Link):
         self.send(Kind.ADMITTED, held.rid, encode(answer))
 
     def _refuse(self, held: Held, error: ApiError) -> None:
-        self._let_go(held, cancel=False)
+        self._release(held)
         fields = [
             error.status,
             error.message,
@@ -318,12 +364,14 @@ class WorkerLink(Link):
             self.gw.admission.release(held.ticket, tokens, dollars)
             held.ticket = None
 
-    def _let_go(self, held: Held, cancel: bool = True) -> None:
-        """Whatever it holds is given back (it stopped waiting, was refused, or its
-        worker is gone); an acquire under way is cancelled (the admission hands on a
-        slot granted in the same instant)."""
-        if cancel and held.task is not None:
-            held.task.cancel()
+    def _let_go(self, held: Held) -> None:
+        """Whatever it holds is given back (it stopped waiting, or is over, or its worker
+        is gone); a wait under way is cancelled."""
+        held.gone = True
+        if held.waiting is not None:
+            # Cancelled on the loop's next turn: a task cancelled before its first turn
+            # never runs its coroutine, and the admission's wait must run to withdraw.
+            asyncio.get_running_loop().call_soon(held.waiting.cancel)
         self._release(held)
 
     def _done(self, rid: int, fields: list[Any]) -> None:
@@ -375,10 +423,9 @@ class WorkerLink(Link):
         self.owner.left(self, len(held))
 
 
-def _task(coro: Coroutine[Any, Any, T]) -> asyncio.Task[T]:
-    """What may really wait runs in a task of its own (`eager` ran the rest in place):
-    asyncio's timeouts, and a cancel passed on from the acquire's own task, need one."""
-    return asyncio.ensure_future(coro)
+class _Withdrawn(Exception):
+    """The worker stopped waiting for the acquire under way (`WITHDRAW`, `DONE`, or the
+    end of its connection)."""
 
 
 def _visit(fields: list[Any]) -> Visit:

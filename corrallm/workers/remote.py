@@ -66,6 +66,8 @@ class Pending:
         return [v.key, v.group, v.model, v.endpoint, v.bytes_in, v.request_id, v.stream, v.user]
 
 
+PROGRESS_SECONDS = 0.25
+
 CURRENT: contextvars.ContextVar[Pending] = contextvars.ContextVar("corrallm_hop")
 
 
@@ -133,6 +135,19 @@ class OwnerLink(Link):
         if reason is Interrupt.PREEMPTED and ticket.shielded:
             return  # S4: it ends by itself; the owner admits the taker then
         pending.stop.interrupt(reason, detail)
+
+    async def report(self) -> None:
+        """O1: every `PROGRESS_SECONDS`, the events relayed so far of each answer under
+        way (the owner's live list shows them as tokens so far); nothing when none is."""
+        while True:
+            await asyncio.sleep(PROGRESS_SECONDS)
+            counts = [
+                [p.rid, p.live.meter.events]
+                for p in self.pending.values()
+                if p.live.meter is not None and p.live.meter.events
+            ]
+            if counts:
+                self.send(Kind.PROGRESS, 0, encode(counts))
 
     def connection_lost(self, exc: Exception | None) -> None:
         # The owner is gone: no request can be admitted or settled any more. The next

@@ -66,6 +66,7 @@ class WorkerApp(CorrallmApp):
         self.nonces = lanes.Nonces()
         self.upward = upward
         self._hop_socket = hop
+        self._reporting: asyncio.Task[None] | None = None
 
     def __call__(self, scope: Scope, receive: Receive, send: Send) -> Awaitable[None]:
         kind = scope["type"]
@@ -90,9 +91,12 @@ class WorkerApp(CorrallmApp):
             if message["type"] == "lifespan.startup":
                 loop = asyncio.get_running_loop()
                 await loop.create_unix_connection(lambda: self.runtime.link, sock=self._hop_socket)
+                self._reporting = loop.create_task(self.runtime.link.report())
                 settle_garbage_collector()
                 await send({"type": "lifespan.startup.complete"})
             elif message["type"] == "lifespan.shutdown":
+                if self._reporting is not None:
+                    self._reporting.cancel()
                 self.runtime.link.flush_now()
                 await self.upward.close()
                 await self.pipeline.close()
