@@ -11,6 +11,7 @@ are not the hot path. The answer's body is passed on chunk by chunk (the events 
 from __future__ import annotations
 
 import logging
+from collections.abc import AsyncIterator
 
 import aiohttp
 
@@ -44,18 +45,32 @@ class Upward:
         if self._session is not None:
             await self._session.close()
 
-    async def relay(self, scope: Scope, receive: Receive, send: Send, body: bytes) -> None:
+    async def relay(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """The request goes up as it comes: its head at once, its body streamed after it,
+        so that the owner judges the head first (T5: a key refused before a body byte
+        is read) and applies its own body limits."""
         raw: bytes = scope.get("raw_path") or scope["path"].encode("latin-1")
         query: bytes = scope.get("query_string", b"")
         url = "http://owner" + raw.decode("latin-1") + ("?" + query.decode() if query else "")
         headers = [
             (k.decode("latin-1"), v.decode("latin-1"))
             for k, v in scope["headers"]
-            if k.lower() not in _DROPPED and k.lower() != b"content-length"
+            if k.lower() not in _DROPPED
         ]
+        sized = any(
+            (k == b"content-length" and v.strip() != b"0") or k == b"transfer-encoding"
+            for k, v in scope["headers"]
+        )
         try:
             answer = await self.session().request(
-                scope["method"], url, data=body or None, headers=headers, allow_redirects=False
+                scope["method"],
+                url,
+                data=_body(receive) if sized else None,
+                headers=headers,
+                allow_redirects=False,
+                # The body only once the owner asks for it (it reads it): a request it
+                # refuses from its head is answered without the body ever going up.
+                expect100=sized,
             )
         except aiohttp.ClientError as exc:
             log.warning("the owner did not answer %s %s: %s", scope["method"], scope["path"], exc)
@@ -75,3 +90,15 @@ class Upward:
             async for chunk in answer.content.iter_any():
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
             await send({"type": "http.response.body", "body": b""})
+
+
+async def _body(receive: Receive) -> AsyncIterator[bytes]:
+    while True:
+        message = await receive()
+        if message["type"] != "http.request":
+            return  # the client went away
+        chunk = message.get("body", b"")
+        if chunk:
+            yield chunk
+        if not message.get("more_body", False):
+            return

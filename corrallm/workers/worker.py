@@ -73,17 +73,10 @@ class WorkerApp(CorrallmApp):
         if kind == "http":
             if scope["path"] in SURFACES:
                 return self._http(scope, receive, send)
-            return self._upward(scope, receive, send)
+            return self.upward.relay(scope, receive, send)
         if kind == "websocket":
             return self._websocket(scope, receive, send)
         return self._worker_lifespan(receive, send)
-
-    async def _upward(self, scope: Scope, receive: Receive, send: Send) -> None:
-        body = await self._body(scope, receive)
-        try:
-            await self.upward.relay(scope, receive, send, body)
-        finally:
-            self.bodies.release(len(body))
 
     async def _worker_lifespan(self, receive: Receive, send: Send) -> None:
         while True:
