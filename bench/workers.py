@@ -6,8 +6,10 @@ Against nginx serving a static chat completion (bench/overhead.py's fast upstrea
 same `wrk` load (c=64, after a 1 s warm-up) goes through `corrallm serve` with each
 `--workers` count in turn (1: one process, no hop). For each: requests/s, the CPU the
 whole gateway spent per request (owner and workers: its session), and the owner's own
-CPU per request (utime+stime of that one process, from /proc): the share SPEC §13 caps at
-20 µs, the cost that lands on the one owner whatever the number of workers.
+CPU per request (utime+stime of that one process, from /proc), and of it its event
+loop's thread (the rest is the store's writer thread): the share SPEC §13 caps at 20 µs,
+the cost that lands on the one owner whatever the number of workers. With one worker
+the "owner" is the whole single process.
 
 Nothing is pinned: with workers on a small machine the gateway needs every core, and
 the load generator and the upstream run beside it (say so when quoting the ratio). Every
@@ -45,6 +47,13 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / CLK_TCK
 
 
+def _thread_seconds(pid: int, tid: int) -> float:
+    """One thread's CPU: the main thread (tid = pid) is the event loop's; the rest of
+    the owner's is the store's writer thread and other helper threads."""
+    fields = Path(f"/proc/{pid}/task/{tid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / CLK_TCK
+
+
 def run_wrk(procs: Procs, wrk: str, url: str, seconds: float, concurrency: int) -> str:
     import json
     import subprocess
@@ -76,8 +85,10 @@ def measure(procs: Procs, wrk: str, upstream: int, workers: int, args: Any) -> d
     time.sleep(1.0 if workers > 1 else 0.0)  # every worker joined (health needs only one)
     run_wrk(procs, wrk, url, 1, args.concurrency)  # warm-up
     owner0, gateway0 = cpu_seconds(proc.pid), session_usage(proc.pid)[0]
+    loop0 = _thread_seconds(proc.pid, proc.pid)
     out = run_wrk(procs, wrk, url, args.duration, args.concurrency)
     owner1, gateway1 = cpu_seconds(proc.pid), session_usage(proc.pid)[0]
+    loop1 = _thread_seconds(proc.pid, proc.pid)
     total = int(re.search(r"(\d+) requests in", out).group(1))  # type: ignore[union-attr]
     rps = float(re.search(r"Requests/sec:\s+([\d.]+)", out).group(1))  # type: ignore[union-attr]
     bad = re.search(r"Non-2xx or 3xx responses:\s+(\d+)", out)
@@ -88,6 +99,7 @@ def measure(procs: Procs, wrk: str, upstream: int, workers: int, args: Any) -> d
         "errors": int(bad.group(1)) if bad else 0,
         "gateway_us": (gateway1 - gateway0) / total * 1e6,
         "owner_us": (owner1 - owner0) / total * 1e6,
+        "loop_us": (loop1 - loop0) / total * 1e6,
     }
 
 
@@ -111,13 +123,15 @@ def main(argv: list[str]) -> None:
             procs.close()
     base = rows[0]["rps"]
     print(f"{os.cpu_count()} CPUs, nothing pinned (wrk and the upstream share them)\n")
-    print("| workers | req/s | x first row | gateway CPU µs/req | owner CPU µs/req | errors |")
-    print("|---:|---:|---:|---:|---:|---:|")
+    print(
+        "| workers | req/s | x first row | gateway CPU µs/req | owner CPU µs/req "
+        "| of it, its event loop | errors |"
+    )
+    print("|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
-        owner = f"{r['owner_us']:.1f}" if r["workers"] > 1 else "(all of it)"
         print(
             f"| {r['workers']} | {r['rps']:.0f} | {r['rps'] / base:.2f} | "
-            f"{r['gateway_us']:.1f} | {owner} | {r['errors']} |"
+            f"{r['gateway_us']:.1f} | {r['owner_us']:.1f} | {r['loop_us']:.1f} | {r['errors']} |"
         )
 
 

@@ -56,6 +56,7 @@ class Brief:
     addr: str
     admin_token: str
     version: int
+    keys: Any  # T2: KeyRing.runtime(), the keys made through the API and refused secrets
 
 
 class RemoteStop(Stop):
@@ -430,9 +431,9 @@ class _Withdrawn(Exception):
 
 def _visit(fields: list[Any]) -> Visit:
     """The visit a worker opened: [key, group, model, endpoint, bytes in, request id,
-    stream, user]."""
-    key, group, model, endpoint, size, request_id, stream, user = fields
-    visit = Visit(key, group, model, endpoint, size)
+    stream, user, arrived, arrived (monotonic)]."""
+    key, group, model, endpoint, size, request_id, stream, user, arrived, arrived_mono = fields
+    visit = Visit(key, group, model, endpoint, size, arrived, arrived_mono)
     visit.request_id, visit.stream, visit.user = request_id, stream, user
     return visit
 
@@ -452,10 +453,13 @@ class Owner:
         self.server: asyncio.AbstractServer | None = None
         self.joins: dict[int, asyncio.Event] = {}
         gateway.swapped.append(self._swapped)
+        gateway.keys.changed.append(self._keys_changed)
+        self._keys_due = False
 
     def brief(self) -> bytes:
         gw = self.gateway
-        return pickle.dumps(Brief(gw.config, self.addr, self.admin_token, gw.version))
+        brief = Brief(gw.config, self.addr, self.admin_token, gw.version, gw.keys.runtime())
+        return pickle.dumps(brief)
 
     async def listen(self, path: str) -> None:
         loop = asyncio.get_running_loop()
@@ -482,6 +486,20 @@ class Owner:
                 link.pid,
                 held,
             )
+
+    def _keys_changed(self) -> None:
+        """T2: a key made, rotated or revoked (here, or by a gateway sharing the store):
+        every worker gets the runtime keys as they are now, once per loop turn."""
+        if self._keys_due or not self.links:
+            return
+        self._keys_due = True
+        asyncio.get_running_loop().call_soon(self._push_keys)
+
+    def _push_keys(self) -> None:
+        self._keys_due = False
+        keys = pickle.dumps(self.gateway.keys.runtime())
+        for link in self.links:
+            link.send(Kind.KEYS, 0, keys)
 
     def _swapped(self, topology: Topology) -> None:
         config = pickle.dumps(topology.config)

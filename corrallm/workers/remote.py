@@ -63,7 +63,18 @@ class Pending:
             return None
         self.opened = True
         v = self.live.visit
-        return [v.key, v.group, v.model, v.endpoint, v.bytes_in, v.request_id, v.stream, v.user]
+        return [
+            v.key,
+            v.group,
+            v.model,
+            v.endpoint,
+            v.bytes_in,
+            v.request_id,
+            v.stream,
+            v.user,
+            v.arrived,
+            v.arrived_mono,  # the same clock in every process (CLOCK_MONOTONIC)
+        ]
 
 
 PROGRESS_SECONDS = 0.25
@@ -100,6 +111,9 @@ class OwnerLink(Link):
     def frame(self, kind: int, rid: int, payload: bytes) -> None:
         if kind == Kind.CONFIG:
             self.runtime.reconfigure(pickle.loads(payload))
+            return
+        if kind == Kind.KEYS:
+            self.runtime.keys.load(*pickle.loads(payload))
             return
         pending = self.pending.get(rid)
         if pending is None:

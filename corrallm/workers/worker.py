@@ -155,6 +155,7 @@ def main(argv: list[str]) -> None:
     fd_limit = raise_fd_limit()
     limits = HeadLimits.from_env(os.environ, fds_free(fd_limit))
     runtime = RemoteRuntime(brief.config)
+    runtime.keys.load(*brief.keys)
     app = WorkerApp(runtime, brief, Upward(upward_path), hop)
     listener = listen(brief.addr, reuse_port=True)
     config = uvicorn.Config(

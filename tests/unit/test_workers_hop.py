@@ -21,7 +21,7 @@ CONFIG = """
 models:
   m: {backends: [{proxy: "http://127.0.0.1:9", maxConcurrent: 1}]}
 """
-OPENING = [None, "default", "m", "/v1/chat/completions", 80, "req-{}", False, None]
+OPENING = [None, "default", "m", "/v1/chat/completions", 80, "req-{}", False, None, 1e9, 1.0]
 DONE_200 = [None, 200, None, 5, 16, 80, 300, False, 1.0, False, 0.5]
 
 
