@@ -228,6 +228,7 @@ class WorkerLink(Link):
                     self._still(held)
                     continue
                 endpoint = route.endpoint
+                visit.admitted_mono = visit.admitted_mono or time.monotonic()
                 if not endpoint.enter():
                     held.live.state = "loading"
                     began = time.monotonic()
@@ -329,7 +330,6 @@ class WorkerLink(Link):
 
     def _admitted(self, held: Held, served: ServedModel, ticket: Ticket) -> None:
         visit, route = held.visit, ticket.route
-        visit.admitted_mono = visit.admitted_mono or time.monotonic()
         visit.backend, visit.backend_id = route.config, route.id
         visit.degraded = served.degraded(route)
         visit.spilled = route not in held.first

@@ -28,6 +28,13 @@ log = logging.getLogger("corrallm.workers")
 
 
 def run(config: Config, options: ServeOptions, workers: int) -> None:
+    if config.peers:
+        # A worker routes to local backends only; a peer's route (and its signed lane,
+        # X3) is the owner's alone. Refused at once rather than served half.
+        raise SystemExit(
+            "corrallm serve: --workers does not serve peers yet (the config has peers: "
+            f"{', '.join(config.peers)}); run it with --workers 1"
+        )
     logging.basicConfig(level=logging.INFO, format=LOG_FORMAT)
     held = listen(options.addr, reuse_port=True)  # bound, never listening: the workers do
     folder = tempfile.mkdtemp(prefix="corrallm-")  # 0700: only this user reaches the hop

@@ -273,3 +273,10 @@ def test_L5_sigterm_drains_every_worker_then_stops_the_backend(gateway_factory, 
     gw.wait_exit(30)
     assert all(process_gone(p) for p in pids)
     wait_for(lambda: process_gone(backend), 10, what="the backend stopped")
+
+
+def test_workers_refuse_a_config_with_peers_at_start(gateway_factory):
+    peered = config() + "peers: {other: {url: 'http://127.0.0.1:9', token: t}}\n"
+    gw = gateway_factory(peered, env=TWO, wait=False)
+    assert gw.wait_exit(20) == 1
+    assert "--workers does not serve peers yet" in gw.log()
