@@ -41,6 +41,7 @@ class Kind(enum.IntEnum):
     HELLO = 20  # pickle: the worker's brief (config, address, admin token)
     CONFIG = 21  # pickle: the config now in force (a reload)
     KEYS = 27  # pickle: the runtime keys and refused secrets now (T2: made, rotated, revoked)
+    COUNTS = 28  # [[subjects], [[header, value], ...]]: a key's x-ratelimit-* counts now
     QUEUED = 22  # [ticket, backend, position, waiting, eta]
     ADMITTED = 24  # [route id, base url, ticket, preemptible, rate-limit headers]
     REFUSED = 25  # the ApiError's fields: the surface renders it

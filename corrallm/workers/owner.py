@@ -21,7 +21,7 @@ import asyncio
 import logging
 import pickle
 import time
-from collections.abc import Coroutine
+from collections.abc import Coroutine, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -38,6 +38,7 @@ from corrallm.workers.hop import Kind, Link, decode, eager, encode
 
 if TYPE_CHECKING:
     from corrallm.auth.keys import Identity
+    from corrallm.auth.limits import Ask
     from corrallm.config.schema import PriorityGroup
     from corrallm.gateway import Gateway
     from corrallm.observe.live import LiveRequest
@@ -280,9 +281,11 @@ class WorkerLink(Link):
                 if not isinstance(verdict, Pass):
                     refused, remaining = verdict
                     held.headers = _text(remaining.headers())
+                    self.owner.counts(asks, held.headers)
                     raise rate_limited(identity.name, refused)
                 held.limits = verdict
                 held.headers = _text(verdict.remaining.headers())
+                self.owner.counts(asks, held.headers)
         key_limit = identity.spend_limit if identity is not None else None
         over = await gw.ledger.reserve(visit, first.config, held.limit, key_limit)
         if over is not None:
@@ -486,6 +489,14 @@ class Owner:
                 link.pid,
                 held,
             )
+
+    def counts(self, asks: Sequence[Ask], headers: list[tuple[str, str]]) -> None:
+        """T3: a key's counts as they are after this admission, for every worker: the
+        x-ratelimit-* headers of an answer refused before the limits are asked (an
+        unknown model's 404) are the last counts heard (no round trip for a head)."""
+        counted = encode([[a.subject for a in asks], headers])
+        for link in self.links:
+            link.send(Kind.COUNTS, 0, counted)
 
     def _keys_changed(self) -> None:
         """T2: a key made, rotated or revoked (here, or by a gateway sharing the store):

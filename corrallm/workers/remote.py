@@ -115,6 +115,10 @@ class OwnerLink(Link):
         if kind == Kind.KEYS:
             self.runtime.keys.load(*pickle.loads(payload))
             return
+        if kind == Kind.COUNTS:
+            subjects, headers = decode(payload)
+            self.runtime.throttle.heard[tuple(subjects)] = _raw(headers)
+            return
         pending = self.pending.get(rid)
         if pending is None:
             if kind == Kind.ADMITTED:  # it was over before its answer came: hand it back
@@ -268,14 +272,22 @@ class RemoteSpend:
 _COUNTED_THERE = Pass(Hold((), 0, 0.0), Remaining())
 
 
-class _NoCounts:
+class _Heard:
+    def __init__(self, headers: list[tuple[bytes, bytes]]) -> None:
+        self._headers = headers
+
     def headers(self) -> list[tuple[bytes, bytes]]:
-        return []
+        return self._headers
 
 
 class RemoteLimits:
-    def counts(self, asks: Sequence[Ask]) -> _NoCounts:
-        return _NoCounts()
+    def __init__(self) -> None:
+        # The counts the owner last sent for each set of subjects (`COUNTS`).
+        self.heard: dict[tuple[str, ...], list[tuple[bytes, bytes]]] = {}
+
+    def counts(self, asks: Sequence[Ask]) -> _Heard:
+        """An answer refused before the limits were asked: the counts last heard."""
+        return _Heard(self.heard.get(tuple(a.subject for a in asks), []))
 
     def admit_now(
         self, asks: Sequence[Ask], estimate: int
