@@ -84,7 +84,11 @@ class Upward:
                 {
                     "type": "http.response.start",
                     "status": answer.status,
-                    "headers": [(k, v) for k, v in answer.raw_headers if k.lower() not in _DROPPED],
+                    "headers": [
+                        (k, v)
+                        for k, v in answer.raw_headers
+                        if k.lower() not in _DROPPED or _closing(k, v)
+                    ],
                 }
             )
             async for chunk in answer.content.iter_any():
@@ -102,3 +106,9 @@ async def _body(receive: Receive) -> AsyncIterator[bytes]:
             yield chunk
         if not message.get("more_body", False):
             return
+
+
+def _closing(name: bytes, value: bytes) -> bool:
+    """`connection: close` goes on: the owner ended the exchange (a body that stalled, T5)
+    and this worker's server then closes the client's connection too."""
+    return name.lower() == b"connection" and value.strip().lower() == b"close"
