@@ -195,7 +195,7 @@ class WorkerLink(Link):
     async def _acquire(self, held: Held, requeued: Ticket | None) -> None:
         gw, visit = self.gw, held.visit
         try:
-            served = self._served(visit.model, held.passed)
+            served = self._served(visit.model)
             if requeued is not None:
                 ticket = held.ticket = await self._wait(
                     held, gw.admission.requeue(requeued, held.group)
@@ -220,7 +220,7 @@ class WorkerLink(Link):
                 if gw.stale(route):  # P6: a reload took its backend while it waited
                     gw.admission.release(ticket)
                     held.ticket = None
-                    served = self._served(served.name, True)
+                    served = self._served(served.name)
                     tiers = served.tiers_for(held.group, gw.placeable, held.hop)
                     held.first = tiers[0]
                     if all(gw.stale(r) for tier in tiers for r in tier):
@@ -258,7 +258,9 @@ class WorkerLink(Link):
         finally:
             held.task = None
 
-    def _served(self, model: str, reloaded: bool) -> ServedModel:
+    def _served(self, model: str) -> ServedModel:
+        """The worker found `model` in its topology: here it can be missing only when a
+        reload took it away meanwhile (P6)."""
         served = self.gw.models.get(model)
         if served is None:
             raise not_found(
