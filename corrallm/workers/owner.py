@@ -21,7 +21,7 @@ import asyncio
 import logging
 import pickle
 import time
-from collections.abc import Coroutine, Sequence
+from collections.abc import Awaitable, Coroutine, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -207,13 +207,15 @@ class WorkerLink(Link):
                 tiers = served.tiers_for(held.group, gw.placeable, held.hop)
                 held.first = tiers[0]
                 if not held.passed:
-                    limits = self._limits(held, tiers[0][0])
-                    # In memory these wait for nothing; a shared store's round trip has a
-                    # timeout, which needs a task of its own.
-                    await (self._wait(held, limits) if gw.store.dialect.shared else limits)
-                    self._still(held)
+                    if self._limited(held):
+                        limits = self._limits(held, tiers[0][0])
+                        # In memory these wait for nothing; a shared store's round trip
+                        # has a timeout, which needs a task of its own.
+                        await (self._wait(held, limits) if gw.store.dialect.shared else limits)
+                        self._still(held)
                     held.passed = True
-                ticket = held.ticket = await self._queue(held, tiers)
+                got = self._queue(held, tiers)
+                ticket = held.ticket = got if isinstance(got, Ticket) else await got
                 self._still(held)
             while True:
                 route = ticket.route
@@ -225,7 +227,8 @@ class WorkerLink(Link):
                     held.first = tiers[0]
                     if all(gw.stale(r) for tier in tiers for r in tier):
                         await self._wait(held, ready(tiers[0][0]))  # raises why
-                    ticket = held.ticket = await self._queue(held, tiers)
+                    got = self._queue(held, tiers)
+                    ticket = held.ticket = got if isinstance(got, Ticket) else await got
                     self._still(held)
                     continue
                 endpoint = route.endpoint
@@ -293,9 +296,17 @@ class WorkerLink(Link):
         if over is not None:
             raise spend_limited(over)
 
-    async def _queue(self, held: Held, tiers: list[list[Route]]) -> Ticket:
-        """A slot, decided now (`eager`: most requests get one without a task); a wait
-        for one in a task of its own (its maxWait is a timeout on it)."""
+    def _limited(self, held: Held) -> bool:
+        """Whether the request has limits to pass: its key's rate windows (T3), or a spend
+        window of its lane or key (S6). Most have none: no coroutine for them."""
+        identity = held.identity
+        if identity is not None and (identity.limits is not None or identity.spend_limit):
+            return True
+        return held.visit.group in self.gw.ledger.spend
+
+    def _queue(self, held: Held, tiers: list[list[Route]]) -> Ticket | Awaitable[Ticket]:
+        """A slot, decided now (most requests get one without a task or a coroutine); a
+        wait for one in a task of its own (its maxWait is a timeout on it)."""
 
         def queued(ticket_id: int) -> None:
             core, backend = self.gw.admission.core, tiers[0][0].id
@@ -308,7 +319,7 @@ class WorkerLink(Link):
         got = self.gw.admission.submit(
             visit.group, held.group, tiers, held.session, queued, held.stop
         )
-        return got if isinstance(got, Ticket) else await self._wait(held, got)
+        return got if isinstance(got, Ticket) else self._wait(held, got)
 
     async def _wait(self, held: Held, coro: Coroutine[Any, Any, T]) -> T:
         """What may really wait (a queue, a load, a shared store's round trip) runs in a
