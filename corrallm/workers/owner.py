@@ -30,6 +30,7 @@ from corrallm.cost.ledger import Visit
 from corrallm.cost.model import Metered
 from corrallm.http.errors import ApiError, not_found, quoted
 from corrallm.lifecycle.errors import RETIRED
+from corrallm.observe.live import LiveRequest
 from corrallm.proxy.pipeline import enter_ready, ready
 from corrallm.proxy.refusals import model_paused, rate_limited, spend_limited, too_many_requests
 from corrallm.scheduler.admission import Rejected
@@ -41,7 +42,6 @@ if TYPE_CHECKING:
     from corrallm.auth.limits import Ask
     from corrallm.config.schema import PriorityGroup
     from corrallm.gateway import Gateway
-    from corrallm.observe.live import LiveRequest
     from corrallm.routing.router import Endpoint, Route, ServedModel
     from corrallm.topology import Topology
 
@@ -182,7 +182,7 @@ class WorkerLink(Link):
 
     def _open(self, rid: int, fields: list[Any]) -> Held:
         visit = _visit(fields)
-        held = Held(self, rid, visit, self.gw.live.enter(visit))
+        held = Held(self, rid, visit, self.gw.live.add(LiveRequest(visit, None)))
         held.live.stop = held.stop.cancel
         held.group = self.gw.config.priority_groups.get(visit.group)
         key = visit.key
