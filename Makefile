@@ -6,7 +6,7 @@ PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
 
-.PHONY: run test lint format typecheck unit integration e2e bench install dev clean llama-server litellm
+.PHONY: run test lint format typecheck unit integration e2e workers-tiers bench install dev clean llama-server litellm
 
 run: $(VENV)/.installed
 	$(BIN)/corrallm serve
@@ -33,6 +33,12 @@ typecheck: $(VENV)/.installed-dev
 
 unit integration e2e: $(VENV)/.installed-dev
 	$(BIN)/pytest -n $(TEST_JOBS) $(PYTEST_DIST) tests/$@
+
+# The integration and fault tiers a second time, every gateway a `corrallm serve` process
+# with two relaying workers behind one owner of state (docs/design.md, "More than one
+# core"; a config with peers stays one process: tests/conftest.py).
+workers-tiers: $(VENV)/.installed-dev
+	CORRALLM_WORKERS=2 $(BIN)/pytest -n $(TEST_JOBS) tests/integration tests/faults
 
 bench: $(VENV)/.installed-dev
 	$(BIN)/python bench/overhead.py

@@ -7,8 +7,11 @@ Upstreams that cost next to nothing: nginx serving a static chat completion (its
 instance, not the nginx under test) and a small C program that streams SSE
 (bench/stream_upstream.c, built here with gcc). The same load goes straight to them,
 through `corrallm serve` (a pure-proxy config), through nginx `proxy_pass` with upstream
-keepalive, and through LiteLLM's proxy when `make litellm` has installed it (or
-CORRALLM_LITELLM names one). With 2 or 3 CPUs the proxy under test runs alone on the last
+keepalive, through the Go standard library's reverse proxy (bench/httputil_proxy.go,
+built with Debian's golang-go when `go` is found; the row is skipped, and said so,
+otherwise), and through LiteLLM's proxy when `make litellm` has installed it (or
+CORRALLM_LITELLM names one). `--workers N` gives corrallm N relaying workers, nginx N
+worker processes and Go GOMAXPROCS=N. With 2 or 3 CPUs the proxy under test runs alone on the last
 CPU and the upstreams and load generators on the others (with 4 or more, each on its
 own); `--no-pin` turns that off. The load: `wrk` (c=64), bench/loadgen.py (c=1 latency),
 bench/stream_client.c (1,000 concurrent streams). When a real llama-server is found
@@ -174,6 +177,7 @@ def start_corrallm(
     launcher: list[str] | None = None,
     more: dict[str, int] | None = None,
     extra_config: str = "",
+    workers: int = 1,
 ) -> Target:
     """`corrallm serve` in front of the bench's upstreams (and `more` models: name ->
     upstream port); `launcher` runs it instead of `python -m corrallm` (bench/opcodes.py's
@@ -208,7 +212,8 @@ def start_corrallm(
         "--home",
         str(procs.tmp / "home"),
     ]
-    proc = procs.start("corrallm", cmd, "proxy", env={"ADDR": f"127.0.0.1:{port}"})
+    env = {"ADDR": f"127.0.0.1:{port}", "CORRALLM_WORKERS": str(workers)}
+    proc = procs.start("corrallm", cmd, "proxy", env=env)
     procs.wait_healthy("corrallm", proc, f"http://127.0.0.1:{port}/health")
     url = f"http://127.0.0.1:{port}/v1/chat/completions"
     return Target("corrallm", url, url, proc.pid, url if llama_port else None)
@@ -268,7 +273,7 @@ def start_litellm(procs: Procs, binary: str, fast_port: int, stream_port: int) -
 
 
 NGINX_COMMON = """daemon off;
-worker_processes 1;
+worker_processes {workers};
 worker_rlimit_nofile 16384;
 pid {prefix}/nginx.pid;
 error_log {prefix}/error.log warn;
@@ -331,23 +336,64 @@ def find_nginx() -> str | None:
     )
 
 
-def _nginx(procs: Procs, nginx: str, name: str, role: str, servers: str) -> Any:
+def _nginx(procs: Procs, nginx: str, name: str, role: str, servers: str, workers: int = 1) -> Any:
     prefix = procs.tmp / name
     prefix.mkdir()
     conf = prefix / "nginx.conf"
-    conf.write_text(NGINX_COMMON.format(prefix=prefix, servers=servers))
+    conf.write_text(NGINX_COMMON.format(prefix=prefix, servers=servers, workers=workers))
     cmd = [nginx, "-p", str(prefix), "-e", str(prefix / "error.log"), "-c", str(conf)]
     return procs.start(name, cmd, role)
 
 
-def start_nginx(procs: Procs, nginx: str, fast_port: int, stream_port: int) -> Target:
+def start_nginx(
+    procs: Procs, nginx: str, fast_port: int, stream_port: int, workers: int = 1
+) -> Target:
+    """nginx as the proxy under test, with `workers` worker processes (corrallm's
+    --workers, for a like-for-like row)."""
     port, sport = free_port(), free_port()
     servers = NGINX_PROXY.format(fast=fast_port, stream=stream_port, port=port, sport=sport)
-    proc = _nginx(procs, nginx, "nginx", "proxy", servers)
+    proc = _nginx(procs, nginx, "nginx", "proxy", servers, workers)
     procs.wait_healthy("nginx", proc, f"http://127.0.0.1:{port}/health")
     path = "/v1/chat/completions"
     return Target(
         "nginx", f"http://127.0.0.1:{port}{path}", f"http://127.0.0.1:{sport}{path}", proc.pid
+    )
+
+
+def start_go_httputil(procs: Procs, fast_port: int, stream_port: int, workers: int) -> Target:
+    """The Go standard library's reverse proxy (bench/httputil_proxy.go, llama-swap's
+    stack), built here with Debian's golang-go, GOMAXPROCS matching corrallm's workers.
+    RuntimeError when there is no `go` (the row is then skipped, and said so)."""
+    go = shutil.which("go")
+    if go is None:
+        raise RuntimeError("no Go toolchain (`apt-get install -y golang-go`)")
+    exe = procs.tmp / "httputil_proxy"
+    env = {**os.environ, "GOTOOLCHAIN": "local", "GOFLAGS": "-mod=mod", "CGO_ENABLED": "0"}
+    env.setdefault("GOCACHE", str(procs.tmp / "gocache"))
+    built = subprocess.run(
+        [go, "build", "-o", str(exe), str(BENCH / "httputil_proxy.go")],
+        capture_output=True,
+        text=True,
+        env=env,
+    )
+    if built.returncode:
+        raise RuntimeError(f"go build failed:\n{built.stderr[-2000:]}")
+    port, sport = free_port(), free_port()
+    cmd = [
+        str(exe),
+        f"127.0.0.1:{port}",
+        f"http://127.0.0.1:{fast_port}",
+        f"127.0.0.1:{sport}",
+        f"http://127.0.0.1:{stream_port}",
+    ]
+    proc = procs.start("go-httputil", cmd, "proxy", env={"GOMAXPROCS": str(workers)})
+    procs.wait_healthy("go-httputil", proc, f"http://127.0.0.1:{port}/health")
+    path = "/v1/chat/completions"
+    return Target(
+        "go-httputil",
+        f"http://127.0.0.1:{port}{path}",
+        f"http://127.0.0.1:{sport}{path}",
+        proc.pid,
     )
 
 
@@ -1048,10 +1094,18 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--max-seconds", type=float, default=600, help="wall-clock cap of the run")
     p.add_argument(
         "--only",
-        default="direct,corrallm,nginx,litellm,llama",
+        default="direct,corrallm,nginx,go-httputil,litellm,llama",
         help="paths and the llama-server row",
     )
     p.add_argument("--no-pin", action="store_true", help="do not pin processes to CPUs")
+    p.add_argument(
+        "--workers",
+        type=int,
+        default=1,
+        help="corrallm serve --workers N (1), nginx with N worker processes and the Go\n"
+        "proxy with GOMAXPROCS=N, all on the proxy's CPUs (give them N with --no-pin on a\n"
+        "small machine); bench/workers.py compares counts and measures the owner's share",
+    )
     p.add_argument(
         "--profile",
         type=Path,
@@ -1124,7 +1178,9 @@ def run(
         ]
         if "corrallm" in wanted:
             try:
-                targets.append(start_corrallm(procs, fast_port, stream_port, llama_port))
+                targets.append(
+                    start_corrallm(procs, fast_port, stream_port, llama_port, workers=args.workers)
+                )
             except RuntimeError as exc:
                 notes.append(f"corrallm row skipped: `corrallm serve` did not start: {exc}")
         nginx = find_nginx()
@@ -1133,9 +1189,14 @@ def run(
         elif "nginx" in wanted:
             assert nginx is not None
             try:
-                targets.append(start_nginx(procs, nginx, fast_port, stream_port))
+                targets.append(start_nginx(procs, nginx, fast_port, stream_port, args.workers))
             except RuntimeError as exc:
                 notes.append(f"nginx row skipped: {exc}")
+        if "go-httputil" in wanted:
+            try:
+                targets.append(start_go_httputil(procs, fast_port, stream_port, args.workers))
+            except RuntimeError as exc:
+                notes.append(f"go-httputil row SKIPPED: {exc}")
         litellm = (
             find_cached("CORRALLM_LITELLM", "install-litellm.sh") if "litellm" in wanted else None
         )

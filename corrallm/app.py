@@ -117,7 +117,13 @@ class CorrallmApp:
         self._owns_process = owns_process
         self.pipeline = Pipeline(gateway)
         self._admin_token = admin_token
-        gateway.captures.also_redact(admin_token)  # T5: never shown in a capture or the log
+        self.captures = gateway.captures
+        self.captures.also_redact(admin_token)  # T5: never shown in a capture or the log
+        self.lanes_ignored = gateway.metrics.lanes_ignored
+        # Run once the gateway has started, and before it stops (`serve --workers`: the
+        # relaying workers' owner, corrallm/workers/owner.py).
+        self.started: list[Callable[[], Awaitable[None]]] = []
+        self.stopping: list[Callable[[], Awaitable[None]]] = []
         self.models = ModelCatalog(self.pipeline)
         self.ollama = OllamaCatalog(self.pipeline)
         self._apis: dict[str, ASGIApp] = {}
@@ -156,7 +162,7 @@ class CorrallmApp:
             if not path.startswith("/upstream/"):
                 await self._answer(self._route(scope, receive, send), openai_error, send, scope)
                 return
-            surface = UPSTREAM[self.gateway.config.upstream.access]
+            surface = UPSTREAM[self.pipeline.runtime.config.upstream.access]
             send = passthrough.sandboxed(send)  # errors included
         # A request through the pipeline: its id on every answer, its exchange captured.
         exchange = Exchange(new_request_id(), scope)
@@ -176,7 +182,7 @@ class CorrallmApp:
             else:
                 exchange.caller = self.pipeline.identify(scope, exchange.lane)
             body = await self._body(scope, receive)
-            exchange.capture = self.gateway.captures.open(exchange.id, scope, body)
+            exchange.capture = self.captures.open(exchange.id, scope, body)
             await surface.handler(self.pipeline, scope, receive, out, body)
         except Exception as exc:
             await self._failed(exc, surface.errors, out, scope, exchange.id)
@@ -186,7 +192,7 @@ class CorrallmApp:
             self.bodies.release(len(body))
             CURRENT.reset(token)
             if exchange.capture is not None:
-                self.gateway.captures.close(exchange)
+                self.captures.close(exchange)
 
     def _hop(self, scope: Scope, exchange: Exchange) -> None:
         """X3: a request another gateway forwarded carries its caller's lane, signed with
@@ -206,8 +212,8 @@ class CorrallmApp:
             assert lane is not None
             exchange.lane = lane.decode()
             return
-        self.gateway.metrics.lanes_ignored[verdict] += 1
-        if verdict != "unsigned" and self.gateway.config.scheduler.require_keys:
+        self.lanes_ignored[verdict] += 1
+        if verdict != "unsigned" and self.pipeline.runtime.config.scheduler.require_keys:
             log.warning("request=%s lane refused: %s", exchange.id, verdict)
             raise ApiError(
                 401,
@@ -362,7 +368,8 @@ class CorrallmApp:
     def _body(self, scope: Scope, receive: Receive) -> Awaitable[bytes]:
         """The whole body (T5: under the idle timeout and the memory bound); the caller
         gives its bytes back with `bodies.release` once the request is over."""
-        return self.bodies.read(scope, receive, self.gateway.config.max_body_size, "maxBodySize")
+        config = self.pipeline.runtime.config
+        return self.bodies.read(scope, receive, config.max_body_size, "maxBodySize")
 
     async def _lifespan(self, receive: Receive, send: Send) -> None:
         while True:
@@ -376,10 +383,14 @@ class CorrallmApp:
                     return
                 if self._owns_process:
                     _reload_on_sighup(self.gateway)
-                    _settle_garbage_collector()
+                    settle_garbage_collector()
+                for start in self.started:
+                    await start()
                 await send({"type": "lifespan.startup.complete"})
             elif message["type"] == "lifespan.shutdown":
                 try:
+                    for stop in self.stopping:
+                        await stop()
                     await self.gateway.stop()
                 finally:
                     await self.pipeline.close()
@@ -405,7 +416,7 @@ _API_BUILDERS: dict[str, Callable[[Gateway], ASGIApp]] = {
 }
 
 
-def _settle_garbage_collector() -> None:
+def settle_garbage_collector() -> None:
     """What startup built (modules, the app, the OpenAPI and GraphQL schemas) lives as long
     as the process, so it is frozen out of the collector, and the young generation is made
     larger. With CPython's defaults, under load (bench/overhead.py's wrk run, 3,500

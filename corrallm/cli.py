@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
@@ -92,6 +93,15 @@ def serve(
             "without --addr, the ADDR environment variable",
         ),
     ] = ":6502",
+    workers: Annotated[
+        str,
+        typer.Option(
+            envvar="CORRALLM_WORKERS",
+            metavar="N|auto",
+            help="relaying worker processes (SO_REUSEPORT) beside one owner of state; "
+            "auto: one per core, less one; 1 (the default): one process, no hop",
+        ),
+    ] = "1",
 ) -> None:
     """Serve the gateway on --addr (default :6502; the ADDR environment variable when
     --addr is not given)."""
@@ -104,6 +114,7 @@ def serve(
         parse_addr(addr)
     except ValueError as exc:
         raise typer.BadParameter(str(exc), param_hint="--addr (or ADDR)") from exc
+    count = _workers(workers)
     cfg, path = _load(config)
     for warning in _start_warnings(cfg):
         typer.echo(f"corrallm serve: warning: {warning}", err=True)
@@ -117,7 +128,24 @@ def serve(
         config_path=path,
         db=db or None,
     )
-    run(cfg, options)
+    if count > 1:
+        from corrallm.workers.serve import run as run_workers
+
+        run_workers(cfg, options, count)
+    else:
+        run(cfg, options)
+
+
+def _workers(value: str) -> int:
+    """--workers: a count, or `auto` (one per core, less one for the owner; at least 1)."""
+    if value == "auto":
+        return max(1, (os.cpu_count() or 1) - 1)
+    if not value.isdigit() or int(value) < 1:
+        raise typer.BadParameter(
+            f"must be a number of processes (1 or more) or auto, got {value!r}",
+            param_hint="--workers (or CORRALLM_WORKERS)",
+        )
+    return int(value)
 
 
 def _web_root(folder: Path | None) -> Path | None:

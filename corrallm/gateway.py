@@ -19,7 +19,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import threading
 import time
 from collections.abc import Callable, Coroutine, Iterable
 from pathlib import Path
@@ -33,7 +32,6 @@ from corrallm.config import Config
 from corrallm.config.schema import ProcessSpec
 from corrallm.cost.economics import Economics
 from corrallm.cost.ledger import Ledger, Visit
-from corrallm.extras import MissingExtra
 from corrallm.lifecycle.errors import LifecycleError
 from corrallm.lifecycle.pauses import Pauses
 from corrallm.lifecycle.probe import HealthProbe
@@ -45,7 +43,7 @@ from corrallm.observe.events import EventBus
 from corrallm.observe.live import LiveRequests
 from corrallm.observe.metrics import Metrics
 from corrallm.observe.telemetry import Telemetry
-from corrallm.observe.traces import Tracer, tracer_for
+from corrallm.observe.traces import Tracer, retrace, tracer_for
 from corrallm.peers.catalog import PeerView
 from corrallm.peers.endpoint import PeerEndpoint
 from corrallm.peers.nodes import Nodes
@@ -84,6 +82,9 @@ class Gateway:
         self.health_timeout = health_timeout
         self.started_at = int(time.time())
         self._tasks: set[asyncio.Task[None]] = set()
+        # Who hears each new topology once it is in force (the relaying workers' owner,
+        # corrallm/workers/owner.py, sends the config on to its workers).
+        self.swapped: list[Callable[[Topology], None]] = []
         # -- the long-lived owners ---------------------------------------------------
         self.probe = HealthProbe()
         self.store = store_at(db_path or home / "corrallm.db")  # X5: a URL is PostgreSQL
@@ -169,21 +170,9 @@ class Gateway:
         self.keys.reconfigure(config.keys)
         self.callers.reconfigure(config)
         if config.telemetry != previous.config.telemetry:
-            self._retrace(config)
+            self.tracer = retrace(self.tracer, config.telemetry)  # E2
         self._swap(config)
         return previous
-
-    def _retrace(self, config: Config) -> None:
-        """E2: the new `telemetry` in force. The old tracer sends what it queued, off the
-        event loop; requests under way at the switch end on it and lose their spans."""
-        old = self.tracer
-        try:
-            self.tracer = tracer_for(config.telemetry)
-        except MissingExtra as exc:
-            log.error("telemetry: %s; requests are not traced", exc)
-            self.tracer = None
-        if old is not None:
-            threading.Thread(target=old.close, name="corrallm-traces", daemon=True).start()
 
     def refresh_peers(self) -> None:
         """X1: a peer's models changed (or it connected): the same config, new routes."""
@@ -198,6 +187,8 @@ class Gateway:
         self.admission.reconfigure(config, topology.routes)
         self.pauses.targets = topology.pausables()
         self._place(topology)
+        for hear in self.swapped:
+            hear(topology)
 
     def _peer_moved(self, view: PeerView) -> None:
         """X4: a peer went down (its requests are moved off it) or came back."""

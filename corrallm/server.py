@@ -61,6 +61,7 @@ class Served:
     gateway: Gateway
     redactor: Redactor
     sock: socket.socket  # bound by `listen` before anything started
+    app: CorrallmApp
     # SPEC §23 E1: `ollama.listen`'s socket, the same app served on it.
     also: tuple[socket.socket, ...] = ()
 
@@ -69,13 +70,16 @@ class Served:
         self.server.run(sockets=[self.sock, *self.also])
 
 
-def listen(addr: str, setting: str = "--addr") -> socket.socket:
+def listen(addr: str, setting: str = "--addr", reuse_port: bool = False) -> socket.socket:
     """The gateway's listening socket, bound before anything starts (uvicorn listens on it):
     an address in use stops `serve` at once with one line naming what holds it and the
-    `setting` to change."""
+    `setting` to change. `reuse_port`: one of several (`serve --workers`: the kernel
+    spreads connections over the sockets that listen)."""
     host, port = parse_address(addr, setting)
     sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    if reuse_port:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
     try:
         sock.bind((host, port))
     except OSError as exc:
@@ -104,12 +108,19 @@ def run(config: Config, options: ServeOptions) -> None:
     served.run()
 
 
-def build(config: Config, options: ServeOptions, *, owns_process: bool = True) -> Served:
+def build(
+    config: Config,
+    options: ServeOptions,
+    *,
+    owns_process: bool = True,
+    sock: socket.socket | None = None,
+) -> Served:
     """The gateway, its app and its uvicorn server, as `corrallm serve` runs them.
     `owns_process=False` (a gateway run in a thread of a process that is not its own, as
     the tests do): no SIGHUP handler and the garbage collector left as it is; uvicorn
-    itself listens to signals only from the main thread."""
-    sock = listen(options.addr)  # before anything starts or says it has
+    itself listens to signals only from the main thread. `sock`: serve there instead of
+    on `options.addr` (`serve --workers`: the owner's Unix socket)."""
+    sock = sock or listen(options.addr)  # before anything starts or says it has
     also: list[socket.socket] = []
     try:
         if config.ollama.listen is not None:
@@ -182,8 +193,9 @@ def _build(
         format_size(bodies.max_memory),
         format_size(event_buffer),
     )
+    app = CorrallmApp(gateway, token, options.web_root, bodies, owns_process=owns_process)
     uvicorn_config = uvicorn.Config(
-        CorrallmApp(gateway, token, options.web_root, bodies, owns_process=owns_process),
+        app,
         host=host,
         port=port,
         loop="uvloop",
@@ -204,4 +216,4 @@ def _build(
         timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_SECONDS,
     )
     redactor = Redactor(lambda: gateway.captures.secrets.texts)
-    return Served(uvicorn.Server(uvicorn_config), gateway, redactor, sock)
+    return Served(uvicorn.Server(uvicorn_config), gateway, redactor, sock, app)

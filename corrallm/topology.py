@@ -31,6 +31,8 @@ EVICT_COSTS = ["low", "medium", "high"]
 
 # (backend id, its spec) -> a new supervisor for it
 MakeSupervisor = Callable[[str, ProcessSpec], Supervisor]
+# (backend id, model name, model, backend) -> the endpoint its route reaches
+EndpointOf = Callable[[str, str, ModelConfig, BackendConfig], Endpoint]
 
 
 @dataclass
@@ -100,34 +102,22 @@ def build(
     models = dict(config.models)
     for name, found in remote.items():
         models[name] = _with_peers(config, models.get(name), found)
+
+    def endpoint_of(bid: str, name: str, model: ModelConfig, backend: BackendConfig) -> Endpoint:
+        if backend.peer is not None:
+            assert nodes is not None
+            return nodes.endpoint(backend.peer, name)
+        if backend.extension:
+            return topo.extensions[backend.extension]
+        if backend.cmd or backend.supervision in ("docker", "systemd"):
+            sup = supervisor(bid, backend)
+            topo.tenancies.append(_tenancy(config, sup, backend, [model], estimated.get(bid)))
+            return sup
+        assert backend.proxy is not None, "validated config"
+        return RemoteEndpoint(bid, resolve_url(backend.proxy, None))
+
     for name, model in models.items():
-        filters = filters_of(model)  # K5: its filters, and alias -> its own setParams
-        routes = []
-        index = 0  # a local backend's `#index` counts local ones only: peers never shift it
-        for backend in model.backends:
-            bid = backend_id(name, index, backend)
-            index += backend.peer is None
-            endpoint: Endpoint
-            if backend.peer is not None:
-                assert nodes is not None
-                endpoint = nodes.endpoint(backend.peer, name)
-            elif backend.extension:
-                endpoint = topo.extensions[backend.extension]
-            elif backend.cmd or backend.supervision in ("docker", "systemd"):
-                endpoint = supervisor(bid, backend)
-                topo.tenancies.append(
-                    _tenancy(config, endpoint, backend, [model], estimated.get(bid))
-                )
-            else:
-                assert backend.proxy is not None, "validated config"
-                endpoint = RemoteEndpoint(bid, resolve_url(backend.proxy, None))
-            route = Route(bid, name, backend, endpoint, filters)
-            routes.append(route)
-            topo.routes[bid] = route
-        served = ServedModel(name, model, routes)
-        topo.served.append(served)
-        for key in (name, *model.aliases):
-            topo.models.setdefault(key, served)  # a local name wins over a peer's alias
+        serve(topo, name, model, endpoint_of)
     if nodes is not None:
         nodes.kept({r.id for r in topo.routes.values()})
     for name, sup in topo.extensions.items():
@@ -135,6 +125,32 @@ def build(
         footprint = estimated.get(sup.id)
         topo.tenancies.append(_tenancy(config, sup, spec, topo.hosted_by(name), footprint))
     return topo
+
+
+def serve(
+    topo: Topology,
+    name: str,
+    model: ModelConfig,
+    endpoint_of: EndpointOf,
+) -> ServedModel:
+    """Add the model `name` to the topology: a route to each of its backends (their ids
+    as `backend_id` names them), reaching each through `endpoint_of`'s endpoint. A
+    relaying worker builds its topology with this too, its endpoints mirrors of the
+    owner's (corrallm/workers/mirror.py)."""
+    filters = filters_of(model)  # K5: its filters, and alias -> its own setParams
+    routes = []
+    index = 0  # a local backend's `#index` counts local ones only: peers never shift it
+    for backend in model.backends:
+        bid = backend_id(name, index, backend)
+        index += backend.peer is None
+        route = Route(bid, name, backend, endpoint_of(bid, name, model, backend), filters)
+        routes.append(route)
+        topo.routes[bid] = route
+    served = ServedModel(name, model, routes)
+    topo.served.append(served)
+    for key in (name, *model.aliases):
+        topo.models.setdefault(key, served)  # a local name wins over a peer's alias
+    return served
 
 
 def _tenancy(

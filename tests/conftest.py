@@ -1,9 +1,11 @@
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+import yaml
 
 from tests.support.calls import Call
 from tests.support.clients import close_all
@@ -17,6 +19,22 @@ from tests.support.processes import (
     running_fake_backend,
     start_gateway,
 )
+
+# CORRALLM_WORKERS=2 (CI runs the integration and fault tiers a second time so): every
+# gateway is a `corrallm serve` process, which reads it from its environment and serves
+# with two relaying workers behind one owner of state (docs/design.md).
+WORKERS = os.environ.get("CORRALLM_WORKERS", "1") not in ("", "1")
+
+
+def _peered(config_text: str) -> bool:
+    """A config with peers, which `serve --workers` refuses (not served yet): such a
+    gateway stays one process under CORRALLM_WORKERS, unless the test set the count."""
+    try:
+        loaded = yaml.safe_load(config_text)
+    except yaml.YAMLError:
+        return False
+    return isinstance(loaded, dict) and bool(loaded.get("peers"))
+
 
 # What a gateway must be a `corrallm serve` process for: the environment it reads at start,
 # or a test that looks at the process itself (signals, exit, fds).
@@ -41,7 +59,11 @@ def gateway_factory(
 
     def start(config_text: str, *, process: bool = False, **kwargs: object) -> GatewayClient:
         gateway: GatewayClient
-        if process or marked or any(k in kwargs for k in _PROCESS_ONLY):
+        if WORKERS and _peered(config_text):
+            env = dict(kwargs.get("env") or {})  # type: ignore[call-overload]
+            env.setdefault("CORRALLM_WORKERS", "1")
+            kwargs["env"] = env
+        if process or marked or WORKERS or any(k in kwargs for k in _PROCESS_ONLY):
             gateway = start_gateway(config_text, tmp_path, **kwargs)  # type: ignore[arg-type]
         else:
             gateway = start_in_process(config_text, tmp_path, **kwargs)  # type: ignore[arg-type]

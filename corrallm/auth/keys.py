@@ -16,7 +16,7 @@ import hashlib
 import hmac
 import re
 import secrets
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, date, datetime, time, timedelta
 from typing import Literal
@@ -134,6 +134,9 @@ class KeyRing:
         self._by_digest: dict[bytes, Identity] = {}
         self._refused: dict[bytes, RevokedSecret] = {}
         self.version = 0  # bumped by every change, for the callers cached on it
+        # Who hears of every change (`serve --workers`: the owner sends the runtime keys
+        # on to its workers, corrallm/workers/owner.py).
+        self.changed: list[Callable[[], None]] = []
 
     def reconfigure(self, keys: Mapping[str, ApiKey]) -> None:
         self._config = {name: Identity.of_config(name, key) for name, key in keys.items()}
@@ -173,6 +176,12 @@ class KeyRing:
             table[identity.digest] = identity  # a config key wins a (freak) digest clash
         self._by_digest = table
         self.version += 1
+        for hear in self.changed:
+            hear()
+
+    def runtime(self) -> tuple[list[Identity], dict[bytes, RevokedSecret]]:
+        """The runtime keys and the refused secrets, as `load` takes them."""
+        return list(self._api.values()), dict(self._refused)
 
     def refused(self, digest: bytes) -> RevokedSecret | None:
         """Why a secret that is no key is refused (revoked or rotated away), if it was one."""

@@ -101,6 +101,17 @@ class Visit:
     user: str | None = None  # the user behind the key, where it may name one (SPEC §22 T4)
 
 
+def price_of(costs: CostModel, visit: Visit) -> Price:
+    """What the visit cost (computed once)."""
+    if visit.price is None:
+        visit.price = (
+            FREE
+            if visit.backend is None or visit.metered is None
+            else costs.request(visit.backend, visit.metered)
+        )
+    return visit.price
+
+
 class Ledger:
     def __init__(self, config: Config, activity: ActivityLog) -> None:
         self.activity = activity
@@ -286,14 +297,7 @@ class Ledger:
         await self.settlements.flush()
 
     def price(self, visit: Visit) -> Price:
-        """What the visit cost (computed once)."""
-        if visit.price is None:
-            visit.price = (
-                FREE
-                if visit.backend is None or visit.metered is None
-                else self.costs.request(visit.backend, visit.metered)
-            )
-        return visit.price
+        return price_of(self.costs, visit)
 
     def settle(self, visit: Visit) -> Price:
         """The visit's real cost: charged to its lane and written to the activity log."""

@@ -333,10 +333,13 @@ def _is_ours(pid: int, ours: Spawned) -> bool:
 
 
 def _describe(pid: int) -> str:
-    if pid == os.getpid():
-        return f"corrallm itself (pid {pid})"
     try:
-        command = " ".join(psutil.Process(pid).cmdline()) or "?"
+        process = psutil.Process(pid)
+        command = " ".join(process.cmdline()) or "?"
+        # `serve --workers`: the gateway's address is its relaying workers' to listen on.
+        worker = process.ppid() == os.getpid() and "corrallm.workers.worker" in command
     except psutil.Error:
-        command = "?"
+        command, worker = "?", False
+    if pid == os.getpid() or worker:
+        return f"corrallm itself (pid {os.getpid()})"
     return f"pid {pid} ({command[:160]})"

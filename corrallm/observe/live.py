@@ -74,7 +74,10 @@ class LiveRequests:
         return len(self._held)
 
     def enter(self, visit: Visit) -> LiveRequest:
-        live = LiveRequest(visit, asyncio.current_task())
+        return self.add(LiveRequest(visit, asyncio.current_task()))
+
+    def add(self, live: LiveRequest) -> LiveRequest:
+        """A request held elsewhere (a relaying worker's: it has no task here)."""
         self._held[live.id] = live
         if self.events.subscribers:
             self.events.publish("request", {"event": "started", **live.view(time.monotonic())})

@@ -22,13 +22,14 @@ from __future__ import annotations
 import logging
 import random
 import re
+import threading
 import time
 from collections.abc import MutableSequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from corrallm.cost.ledger import UNKNOWN_MODEL
-from corrallm.extras import missing_extra
+from corrallm.extras import MissingExtra, missing_extra
 from corrallm.observe.spans import Attributes, Sink, SpanRecord
 
 if TYPE_CHECKING:
@@ -86,6 +87,21 @@ def tracer_for(telemetry: TelemetryConfig) -> Tracer | None:
             raise
         raise missing from None
     return Tracer(OtlpSink(otlp), telemetry.sample_ratio)
+
+
+def retrace(old: Tracer | None, telemetry: TelemetryConfig) -> Tracer | None:
+    """A reload's new `telemetry` in force (the gateway's, and each `--workers` worker's):
+    its tracer, or None with one error line when the extra is missing; the old tracer
+    sends what it queued in a thread, off the event loop (requests under way at the
+    switch end on it and lose their spans)."""
+    try:
+        new = tracer_for(telemetry)
+    except MissingExtra as exc:
+        log.error("telemetry: %s; requests are not traced", exc)
+        new = None
+    if old is not None:
+        threading.Thread(target=old.close, name="corrallm-traces", daemon=True).start()
+    return new
 
 
 class Tracer:

@@ -19,7 +19,7 @@ import asyncio
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Protocol, TypeVar
+from typing import TYPE_CHECKING, Protocol, TypeVar
 
 import orjson
 
@@ -27,7 +27,9 @@ from corrallm.config.schema import Config, Feedback
 from corrallm.http.asgi import Message, Send
 from corrallm.http.errors import ApiError
 from corrallm.routing.router import Route
-from corrallm.scheduler.core import Scheduler
+
+if TYPE_CHECKING:
+    from corrallm.proxy.runtime import Queues
 
 T = TypeVar("T")
 
@@ -133,7 +135,7 @@ class QueueNote:
 
     since: float | None = None
 
-    def __init__(self, core: Scheduler, backend: str, request_id: int | None = None) -> None:
+    def __init__(self, core: Queues, backend: str, request_id: int | None = None) -> None:
         self.core, self.backend, self.request_id = core, backend, request_id
         if request_id is not None:  # a note for a request queued already (requeued, S4)
             self.since = time.monotonic()

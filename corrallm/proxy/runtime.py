@@ -3,25 +3,104 @@
 The pipeline (proxy/pipeline.py) takes a `Runtime`, not the whole `Gateway`: the served
 models of the topology in force, the caller a key names, the pauses, the long-lived owners
 a request passes through (admission, ledger, throttle, live requests) and a few questions
-about a route. Each member is a question with a plain answer or one call to an owner, so
-that a later relaying worker in another process could ask them of one owner of state
-across a socket. `Gateway` implements it; tests use a fake (tests/unit/test_pipeline.py).
+about a route. The owners are seen through narrow ports (`Seats`, `Spend`, `Limits`,
+`Live`): each member is a question with a plain answer or one call to an owner, so that
+a relaying worker in another process asks them of the one owner of state across a socket
+(corrallm/workers/remote.py). `Gateway` implements it in process with its own objects;
+tests use a fake (tests/unit/test_pipeline.py).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Literal, Protocol
 
 if TYPE_CHECKING:
     from corrallm.auth.callers import Caller
-    from corrallm.auth.throttle import Throttle
-    from corrallm.config.schema import Config
-    from corrallm.cost.ledger import Ledger, Visit
-    from corrallm.observe.live import LiveRequests
+    from corrallm.auth.limits import Ask, LimitRefusal, Remaining
+    from corrallm.auth.throttle import Pass
+    from corrallm.config.schema import BackendConfig, Config, PriorityGroup, SpendLimit
+    from corrallm.cost.ledger import OverSpend, Visit
+    from corrallm.cost.model import CostModel, Price
+    from corrallm.observe.live import LiveRequest
     from corrallm.observe.traces import Tracer
     from corrallm.routing.router import Route, ServedModel
-    from corrallm.scheduler.admission import Admission
+    from corrallm.scheduler.ticket import Stop, Ticket
+
+
+class Queues(Protocol):
+    """What a waiting client is told (K4): where a request waits, and for how long."""
+
+    def position(self, request_id: int) -> tuple[str, int, int] | None: ...
+    def load(self, backend: str) -> tuple[int, int, int]: ...
+    def retry_after(self, backend: str) -> float: ...
+
+
+class Seats(Protocol):
+    """Slots on backends (scheduler/admission.py's `Admission`, or the owner's across the
+    hop): a ticket, given back once; a preempted one queued again."""
+
+    @property
+    def core(self) -> Queues: ...
+
+    async def acquire(
+        self,
+        group_name: str,
+        group: PriorityGroup | None,
+        tiers: Sequence[Sequence[Route]],
+        affinity: str | None = None,
+        on_queued: Callable[[int], None] | None = None,
+        stop: Stop | None = None,
+    ) -> Ticket: ...
+
+    def release(self, ticket: Ticket, tokens: int = 0, dollars: float = 0.0) -> None: ...
+
+    async def requeue(self, ticket: Ticket, group: PriorityGroup | None) -> Ticket: ...
+
+
+class Spend(Protocol):
+    """Spend limits and prices (cost/ledger.py's `Ledger`)."""
+
+    @property
+    def costs(self) -> CostModel: ...
+
+    async def reserve(
+        self,
+        visit: Visit,
+        backend: BackendConfig,
+        max_tokens: int | None,
+        key_limit: SpendLimit | None = None,
+        usd: float | None = None,
+    ) -> OverSpend | None: ...
+
+    def price(self, visit: Visit) -> Price: ...
+
+
+class RateCounts(Protocol):
+    def headers(self) -> list[tuple[bytes, bytes]]: ...
+
+
+class Limits(Protocol):
+    """Per-key rate windows (auth/throttle.py's `Throttle`)."""
+
+    def counts(self, asks: Sequence[Ask]) -> RateCounts: ...
+
+    def admit_now(
+        self, asks: Sequence[Ask], estimate: int
+    ) -> Pass | tuple[LimitRefusal, Remaining] | None: ...
+
+    async def admit(
+        self, asks: Sequence[Ask], estimate: int
+    ) -> Pass | tuple[LimitRefusal, Remaining]: ...
+
+    def release(self, admitted: Pass, tokens: int) -> None: ...
+
+
+class Live(Protocol):
+    """The live list (observe/live.py's `LiveRequests`)."""
+
+    def enter(self, visit: Visit) -> LiveRequest: ...
+    def leave(self, live: LiveRequest) -> None: ...
 
 
 class Runtime(Protocol):
@@ -37,11 +116,17 @@ class Runtime(Protocol):
     def served(self) -> Sequence[ServedModel]:
         """Every served model, in config order (for error messages)."""
 
-    admission: Admission
-    ledger: Ledger
-    throttle: Throttle
-    live: LiveRequests
-    tracer: Tracer | None  # E2: None unless telemetry.otlp is set
+    @property
+    def admission(self) -> Seats: ...
+    @property
+    def ledger(self) -> Spend: ...
+    @property
+    def throttle(self) -> Limits: ...
+    @property
+    def live(self) -> Live: ...
+    @property
+    def tracer(self) -> Tracer | None:
+        """E2: None unless telemetry.otlp is set."""
 
     def caller(self, key: str | None, signed: str | None = None) -> Caller: ...
 

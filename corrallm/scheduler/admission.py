@@ -14,7 +14,7 @@ import itertools
 import logging
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -103,6 +103,21 @@ class Admission:
         `affinity`: the request's session key (K6); its conversation's last backend is
         preferred among equal ones while it has room. `on_queued` hears the request's id
         when it has to wait (to tell its client where it stands, K4)."""
+        got = self.submit(group_name, group, tiers, affinity, on_queued, stop)
+        return got if isinstance(got, Ticket) else await got
+
+    def submit(
+        self,
+        group_name: str,
+        group: PriorityGroup | None,
+        tiers: Sequence[Sequence[Route]],
+        affinity: str | None = None,
+        on_queued: Callable[[int], None] | None = None,
+        stop: Stop | None = None,
+    ) -> Ticket | Coroutine[Any, Any, Ticket]:
+        """`acquire()`'s decision, made now: the ticket, or the wait for one (to be
+        awaited in a task: its `maxWait` is a timeout on that task). The relaying
+        workers' owner admits most requests without a task of their own this way."""
         request = Request(next(self._ids), group_name, self.clock())
         policy = self._policy(group, tiers[0][0].config.type)
         # K6: one conversation's key is per served model (a session may span models).
@@ -132,7 +147,7 @@ class Admission:
         assert isinstance(decision, Queued | Preempt)
         if on_queued is not None:
             on_queued(request.id)
-        return await self._wait(ticket, group, decision.backend)
+        return self._wait(ticket, group, decision.backend)
 
     def release(self, ticket: Ticket, tokens: int = 0, dollars: float = 0.0) -> None:
         """The request is done; `tokens` and `dollars` charge lanes sharing in those."""
@@ -272,8 +287,10 @@ class Admission:
 
     def _preempt(self, victim_id: int) -> None:
         victim = self._running.get(victim_id)
-        if victim is None or victim.shielded or victim.task is None:
+        if victim is None or victim.shielded:
             return  # it ends by itself; the hand-off admits the taker then
+        # A stop with no task of its own here (a relaying worker's request, held by the
+        # owner: corrallm/workers/owner.py) passes the interrupt on to its worker.
         victim.stop.interrupt(Interrupt.PREEMPTED)
 
     def _policy(self, group: PriorityGroup | None, backend_type: str) -> Policy:

@@ -229,6 +229,27 @@ LAYERS: dict[str, set[str]] = {
         "proxy",
         "store",
     },
+    # `serve --workers N`: the owner's hop server and pool, and the relaying worker
+    # process (its app is the server's /v1 path over a runtime that asks the owner), so
+    # it sits above the process pieces it runs twice over (-> api: the admin token).
+    "workers": {
+        "api",
+        "app",
+        "auth",
+        "config",
+        "cost",
+        "extras",
+        "gateway",
+        "http",
+        "lifecycle",
+        "observe",
+        "peers",
+        "proxy",
+        "routing",
+        "scheduler",
+        "server",
+        "topology",
+    },
     "cli": {
         "(root)",
         "api",
@@ -239,6 +260,7 @@ LAYERS: dict[str, set[str]] = {
         "residency",
         "server",
         "tools",
+        "workers",
     },
     "__main__": {"cli", "fake_backend"},
 }

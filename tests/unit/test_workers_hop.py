@@ -1,0 +1,212 @@
+"""The hop of `serve --workers N` (corrallm/workers/), driven in process: frames fed to
+the owner's end with a real (unstarted) `Gateway` behind it, its answers read back from
+a fake transport. What a worker holds is given back whatever ends it: its `DONE`, its
+`WITHDRAW`, or its connection (S7, and the worker-death fault: nothing leaks)."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Any
+
+import orjson
+import pytest
+
+from corrallm.config import load_config_text
+from corrallm.gateway import Gateway
+from corrallm.workers.hop import HEAD, Kind, Link, eager, encode, frame
+from corrallm.workers.owner import Owner, WorkerLink
+
+CONFIG = """
+models:
+  m: {backends: [{proxy: "http://127.0.0.1:9", maxConcurrent: 1}]}
+"""
+OPENING = [None, "default", "m", "/v1/chat/completions", 80, "req-{}", False, None, 1e9, 1.0]
+DONE_200 = [None, 200, None, 5, 16, 80, 300, False, 1.0, False, 0.5]
+
+
+class Wire:
+    """A transport that keeps what is written, as frames."""
+
+    def __init__(self) -> None:
+        self.data = bytearray()
+        self.closed = False
+
+    def write(self, data: bytes) -> None:
+        self.data += data
+
+    def is_closing(self) -> bool:
+        return self.closed
+
+    def frames(self) -> list[tuple[int, int, Any]]:
+        out, at = [], 0
+        while at < len(self.data):
+            length, kind, rid = HEAD.unpack_from(self.data, at)
+            payload = bytes(self.data[at + 9 : at + 9 + length])
+            out.append((kind, rid, orjson.loads(payload) if payload else None))
+            at += 9 + length
+        self.data.clear()
+        return out
+
+
+@pytest.fixture
+async def owner(tmp_path: Path) -> tuple[Gateway, WorkerLink, Wire]:
+    gw = Gateway(load_config_text(CONFIG), tmp_path)
+    link = WorkerLink(Owner(gw, "127.0.0.1:1", "token"))
+    wire = Wire()
+    link.connection_made(wire)  # type: ignore[arg-type]
+    return gw, link, wire
+
+
+def acquire(link: WorkerLink, rid: int) -> None:
+    opening = [*OPENING[:5], OPENING[5].format(rid), *OPENING[6:]]
+    link.frame(Kind.ACQUIRE, rid, encode([opening, "m", 16, None, False]))
+
+
+async def turns(n: int = 10) -> None:
+    """Let the loop run a few turns (a wait's task, its cancel, the corked writes)."""
+    for _ in range(n):
+        await asyncio.sleep(0)
+
+
+async def answers(wire: Wire) -> list[tuple[int, int, Any]]:
+    await asyncio.sleep(0)  # the corked writes go out at the end of the loop's turn
+    return wire.frames()
+
+
+def load(gw: Gateway) -> tuple[int, int, int]:
+    return gw.admission.core.load("m#0")
+
+
+async def test_a_slot_is_admitted_at_once_and_given_back_by_release_and_done(owner) -> None:
+    gw, link, wire = owner
+    acquire(link, 1)
+    assert link.held[1].task is None  # nothing waited: no task was made for it
+    [(kind, rid, fields)] = await answers(wire)
+    assert (kind, rid, fields[:2], fields[3]) == (
+        Kind.ADMITTED,
+        1,
+        ["m#0", "http://127.0.0.1:9"],
+        False,
+    )
+    assert [r["state"] for r in gw.live.views()] == ["running"]
+    link.frame(Kind.RELEASE, 1, encode([21, 0.0]))
+    link.frame(Kind.DONE, 1, encode(DONE_200))
+    assert (load(gw), gw.live.views(), link.held) == ((1, 0, 0), [], {})
+    assert gw.metrics.requests[("m", "m#0", "default", "200")] == 1
+
+
+async def test_S7_a_request_withdrawn_in_the_turn_it_queued_leaves_nothing_behind(owner) -> None:
+    gw, link, wire = owner
+    acquire(link, 1)
+    acquire(link, 2)
+    link.frame(Kind.WITHDRAW, 2, b"")  # before its wait's task ever ran
+    link.frame(Kind.RELEASE, 1, encode([21, 0.0]))  # the slot it would have had frees
+    await turns()
+    assert load(gw) == (1, 0, 0)
+    assert [k for k, _, _ in wire.frames()] == [Kind.ADMITTED, Kind.QUEUED]
+
+
+async def test_S7_a_queued_request_withdrawn_leaves_nothing_queued(owner) -> None:
+    gw, link, wire = owner
+    acquire(link, 1)
+    acquire(link, 2)
+    assert link.held[2].task is not None  # it waits, in a task of its own
+    kinds = [k for k, _, _ in await answers(wire)]
+    assert kinds == [Kind.ADMITTED, Kind.QUEUED]
+    link.frame(Kind.WITHDRAW, 2, b"")
+    await turns()
+    assert load(gw) == (1, 1, 0)
+    link.frame(Kind.DONE, 2, encode(DONE_200))
+    link.frame(Kind.DONE, 1, encode(DONE_200))  # DONE alone gives back its slot too
+    assert (load(gw), link.held) == ((1, 0, 0), {})
+
+
+async def test_a_queued_request_is_admitted_when_the_slot_frees(owner) -> None:
+    gw, link, wire = owner
+    acquire(link, 1)
+    acquire(link, 2)
+    await answers(wire)
+    link.frame(Kind.RELEASE, 1, encode([21, 0.0]))
+    await turns()  # the admission's future, its wait's task, the acquire, the write
+    assert [(k, r) for k, r, _ in wire.frames()] == [(Kind.ADMITTED, 2)]
+    assert load(gw) == (1, 1, 0)
+
+
+async def test_a_worker_gone_frees_what_its_requests_held_and_settles_them(owner) -> None:
+    gw, link, wire = owner
+    acquire(link, 1)  # running
+    acquire(link, 2)  # queued
+    await answers(wire)
+    link.connection_lost(None)
+    await turns()
+    assert (load(gw), gw.live.views(), link.held) == ((1, 0, 0), [], {})
+    assert gw.metrics.requests[("m", "m#0", "default", "499")] == 1  # the running one
+    assert gw.metrics.requests[("m", "", "default", "499")] == 1  # the queued one
+
+
+async def test_a_paused_model_is_refused_by_the_owner(owner) -> None:
+    gw, link, wire = owner
+    gw.pauses.until[("model", "m")] = None
+    acquire(link, 1)
+    [(kind, _, fields)] = await answers(wire)
+    assert (kind, fields[0], fields[2]) == (Kind.REFUSED, 503, "paused")
+    assert load(gw) == (1, 0, 0)
+
+
+async def test_S4_O1_interrupts_go_to_the_worker_holding_the_request(owner) -> None:
+    gw, link, wire = owner
+    acquire(link, 1)
+    await answers(wire)
+    live = gw.live.get("req-1")
+    assert live is not None
+    gw.live.cancel("req-1")
+    [(kind, rid, fields)] = await answers(wire)
+    assert (kind, rid, fields) == (Kind.INTERRUPT, 1, [5, ""])  # Interrupt.CANCELLED
+
+
+class Frames(Link):
+    def __init__(self) -> None:
+        super().__init__()
+        self.got: list[tuple[int, int, bytes]] = []
+
+    def frame(self, kind: int, rid: int, payload: bytes) -> None:
+        self.got.append((kind, rid, payload))
+
+
+def test_frames_are_read_whole_however_the_bytes_arrive() -> None:
+    link = Frames()
+    data = frame(Kind.RELEASE, 7, b"[1,2]") + frame(Kind.WITHDRAW, 8) + frame(Kind.DONE, 9, b"x")
+    for cut in (data[:3], data[3:12], data[12:20], data[20:]):
+        link.data_received(cut)
+    assert link.got == [(Kind.RELEASE, 7, b"[1,2]"), (Kind.WITHDRAW, 8, b""), (Kind.DONE, 9, b"x")]
+
+
+async def test_eager_runs_to_the_first_wait_and_a_task_carries_on_from_there() -> None:
+    steps: list[str] = []
+    gate: asyncio.Future[str] = asyncio.get_running_loop().create_future()
+
+    async def quick() -> None:
+        steps.append("quick")
+
+    async def slow() -> None:
+        steps.append("before")
+        try:
+            steps.append(await gate)
+        except asyncio.CancelledError:
+            steps.append("cancelled")
+
+    assert eager(quick()) is None and steps == ["quick"]
+    task = eager(slow())
+    assert task is not None and steps == ["quick", "before"]
+    gate.set_result("after")
+    await task
+    assert steps == ["quick", "before", "after"]
+    gate2: asyncio.Future[str] = asyncio.get_running_loop().create_future()
+    gate = gate2
+    task = eager(slow())
+    assert task is not None
+    await asyncio.sleep(0)  # (a cancel before the task's first turn never reaches `slow`)
+    task.cancel()
+    await asyncio.wait([task], timeout=5)
+    assert steps[-1] == "cancelled"
