@@ -68,13 +68,10 @@ class Lines:
             self._tail = b'},"done":false}\n'
         else:
             self._text, self._tail = b',"response":', b',"done":false}\n'
-        self._now = -1.0
-        self._stamp = b""
 
     def _text_line(self, now: float, text: str) -> bytes:
-        if now != self._now:
-            self._now, self._stamp = now, orjson.dumps(created_at(now))
-        return self._head + self._stamp + self._text + orjson.dumps(text) + self._tail
+        stamp = orjson.dumps(created_at(now))
+        return self._head + stamp + self._text + orjson.dumps(text) + self._tail
 
     def _said(self, now: float, said: dict[str, Any]) -> bytes:
         return orjson.dumps(_line(self.kind, self.model, now, said)) + b"\n"
