@@ -30,7 +30,6 @@ import httptools
 CONNECT_TIMEOUT = 10.0
 KEEPALIVE_SECONDS = 60.0  # an idle pooled connection older than this is closed, not reused
 HIGH_WATER = 1 << 20  # stop reading from the backend when the client is this far behind
-LOW_WATER = 1 << 16
 
 
 class UpstreamError(ConnectionError):
@@ -79,13 +78,21 @@ class Response:
         return self._content_type.split(b";", 1)[0].strip().lower().decode("latin-1")
 
     async def next_chunk(self) -> bytes | None:
-        """The body's next piece as it arrived, or None at its end; raises what broke it.
-        (A coroutine rather than an async generator: no finalizer hook per answer.)"""
+        """What of the body arrived since the last call, as one piece (at most HIGH_WATER
+        and one read), or None at its end; raises what broke it. One piece, not each
+        that the parser gave (a chunk of a chunked body, an SSE event as the backend
+        wrote it): what came in one read is relayed in one write. (A coroutine rather
+        than an async generator: no finalizer hook per answer.)"""
         while True:
-            if self.chunks:
-                chunk = self.chunks.popleft()
-                self.buffered -= len(chunk)
-                if self._conn.paused and self.buffered <= LOW_WATER:
+            chunks = self.chunks
+            if chunks:
+                if len(chunks) == 1:
+                    chunk = chunks.popleft()
+                else:
+                    chunk = b"".join(chunks)
+                    chunks.clear()
+                self.buffered = 0
+                if self._conn.paused:
                     self._conn.resume()
                 return chunk
             if self.complete or self.head_only:

@@ -511,11 +511,14 @@ def serve(
     inbound = dialect.inbound
     # K4: a streamed request that waits is told why, on a stream opened early.
     feedback = StreamFeedback(send, dialect.error_event, form) if inbound.stream else None
-    out = send if feedback is None else feedback.send
     method: str = scope["method"]
 
     def work(admitted: Admitted) -> Awaitable[int]:
         # The relay's coroutine itself (no `await` level here): it records the meter.
+        # Notes go out only while the request waits, which is over now: the answer goes
+        # through the feedback stream only if a note opened it (most never wait), else
+        # straight out, without a coroutine more per chunk.
+        out = feedback.send if feedback is not None and feedback.opened else send
         route = admitted.route
         path, data = dialect.upstream(route)
         codec = dialect.answer(route)

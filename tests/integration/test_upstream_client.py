@@ -108,6 +108,20 @@ async def test_chunked_body_arrives_chunk_by_chunk(client):
         assert [c async for c in chunks] == [b"second"]
 
 
+async def test_chunks_that_came_in_one_read_are_handed_on_as_one_piece(client):
+    # A backend writes each SSE event as a chunk of its own; those that arrive together
+    # are relayed in one write, not one each (the events that come with a stream's head).
+    events = [b"data: %d\n\n" % i for i in range(3)]
+    chunked = b"".join(b"%x\r\n%s\r\n" % (len(e), e) for e in events) + b"0\r\n\r\n"
+    head = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n"
+    async with (
+        Server(answer_once(head + chunked)) as server,
+        await client.request("POST", server.url, b"", []) as response,
+    ):
+        assert await response.next_chunk() == b"".join(events)
+        assert await response.next_chunk() is None
+
+
 def answer_once(raw: bytes) -> Handler:
     """Read one request, send `raw`, close."""
 

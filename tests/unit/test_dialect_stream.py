@@ -13,13 +13,22 @@ import pytest
 
 from corrallm.http.client import UpstreamError
 from corrallm.http.errors import ApiError
-from corrallm.proxy.dialects import anthropic, anthropic_translate, responses, responses_translate
+from corrallm.proxy.dialects import (
+    anthropic,
+    anthropic_translate,
+    ollama,
+    ollama_translate,
+    responses,
+    responses_translate,
+)
 from corrallm.proxy.dialects.anthropic_stream import AnthropicStream
 from corrallm.proxy.dialects.anthropic_translate import MessageEcho
+from corrallm.proxy.dialects.ollama_stream import Lines
+from corrallm.proxy.dialects.ollama_translate import NDJSON, OllamaEcho, Timings
 from corrallm.proxy.dialects.responses_stream import ResponsesStream
 from corrallm.proxy.dialects.responses_translate import Echo
 from corrallm.proxy.dialects.stream import StreamTranslator, Translated, TranslationError
-from corrallm.proxy.relay import Mode
+from corrallm.proxy.relay import SSE, Mode
 
 CHUNK = {"id": "c1", "choices": [{"index": 0, "delta": {"content": "Hi"}, "finish_reason": None}]}
 BROKEN = ApiError(502, "backend 'b' broke off its answer", "backend_error")
@@ -35,10 +44,26 @@ def responses_codec() -> Translated[Any]:
     return Translated(ResponsesStream(echo), responses_translate.from_chat, echo, responses.whole)
 
 
-CODECS = {"anthropic": anthropic_codec, "responses": responses_codec}
+def ollama_echo() -> OllamaEcho:
+    return OllamaEcho("chat", True, "m", lambda: 1_700_000_000.0, Timings)
+
+
+def ollama_codec() -> Translated[Any]:
+    echo = ollama_echo()
+    return Translated(Lines(echo), ollama_translate.from_chat, echo, ollama.streamed)
+
+
+CODECS = {"anthropic": anthropic_codec, "responses": responses_codec, "ollama": ollama_codec}
 STREAMS: dict[str, Callable[[], StreamTranslator]] = {
     "anthropic": lambda: AnthropicStream(MessageEcho("m")),
     "responses": lambda: ResponsesStream(Echo(model="m")),
+    "ollama": lambda: Lines(ollama_echo()),
+}
+# How each frames its stream, and the error that ends one.
+FRAMING = {
+    "anthropic": (SSE, b"event: error"),
+    "responses": (SSE, b"event: error"),
+    "ollama": (NDJSON, b'{"error":'),
 }
 
 
@@ -54,7 +79,7 @@ def test_K1_K2_stream_translators_return_frames_and_end_once(name: str) -> None:
     said.append(stream.finish())
     assert stream.finished and stream.finish() == b"" and stream.feed(CHUNK) == b""
     assert all(isinstance(frames, bytes) for frames in said)
-    assert stream.content_type == b"text/event-stream"
+    assert stream.content_type == FRAMING[name][0]
     assert b"Hi" in b"".join(said)
 
 
@@ -64,7 +89,7 @@ def test_K1_K2_a_stream_that_fails_is_over(name: str) -> None:
     stream.start()
     stream.feed(CHUNK)
     ended = stream.fail(BROKEN)
-    assert b"event: error" in ended and b"broke off its answer" in ended
+    assert FRAMING[name][1] in ended and b"broke off its answer" in ended
     assert stream.finished and stream.finish() == b""
 
 
@@ -134,3 +159,8 @@ def test_K1_K2_each_dialect_says_which_answers_it_translates() -> None:
     assert responses.streamed(200, "text/event-stream") is Mode.EVENTS
     assert responses.whole(200, "application/json") is Mode.WHOLE
     assert responses.whole(400, "application/json") is Mode.AS_IS
+    assert ollama.streamed(200, "text/event-stream") is Mode.EVENTS
+    assert ollama.streamed(200, "application/json") is Mode.REFUSE
+    assert ollama.whole(200, "application/json") is Mode.WHOLE
+    assert ollama.whole(200, "text/event-stream") is Mode.REFUSE
+    assert ollama.whole(404, "application/json") is Mode.REFUSE

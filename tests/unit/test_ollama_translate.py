@@ -9,13 +9,14 @@ import orjson
 import pytest
 
 from corrallm.http.errors import ApiError
-from corrallm.proxy.dialects.ollama_stream import Lines
+from corrallm.proxy.dialects.ollama_stream import Lines, note
 from corrallm.proxy.dialects.ollama_translate import (
+    OllamaEcho,
     OllamaRequest,
     Timings,
-    answer,
     error_line,
     error_status,
+    from_chat,
     image_url,
     read,
     served_name,
@@ -35,6 +36,15 @@ TOOL = {
 NOW = 1_700_000_000.25
 TIMES = Timings(total=5_000, load=1_000, prompt_eval=2_000, eval=2_000)
 PNG = "iVBORw0KGgoAAAANSUhEUg"
+
+
+def echo(kind: str, chat: bool, model: str) -> OllamaEcho:
+    """An answer's echo whose clocks say NOW and TIMES."""
+    return OllamaEcho(kind, chat, model, lambda: NOW, lambda: TIMES)
+
+
+def answer(request: OllamaRequest, body: Any, model: str) -> dict[str, Any]:
+    return from_chat(body, echo(request.kind, request.chat, model))
 
 
 def chat(payload: dict[str, Any], model: str = "m") -> OllamaRequest:
@@ -309,7 +319,7 @@ def test_E1_a_chat_answer_has_ollamas_message_tool_calls_counts_and_durations() 
         "usage": {"prompt_tokens": 12, "completion_tokens": 7},
     }
     request = chat({"messages": [{"role": "user", "content": "hi"}], "stream": False})
-    assert answer(request, body, "m:latest", NOW, TIMES) == {
+    assert answer(request, body, "m:latest") == {
         "model": "m:latest",
         "created_at": "2023-11-14T22:13:20.250000Z",
         "message": {
@@ -339,12 +349,12 @@ def test_E1_generate_and_raw_answers_put_the_text_in_response() -> None:
     text_body = {"choices": [{"text": "Blue!", "finish_reason": "stop"}], "usage": {}}
     generate = read("/api/generate", {"model": "m", "prompt": "?", "stream": False}, "m")
     raw = read("/api/generate", {"model": "m", "prompt": "?", "raw": True}, "m")
-    said = answer(generate, chat_body, "m", NOW, TIMES)
+    said = answer(generate, chat_body, "m")
     assert (said["response"], said["done_reason"], said["eval_count"]) == ("Blue.", "length", 0)
     assert "message" not in said
-    assert answer(raw, text_body, "m", NOW, TIMES)["response"] == "Blue!"
+    assert answer(raw, text_body, "m")["response"] == "Blue!"
     with pytest.raises(ApiError) as err:
-        answer(generate, {"object": "list"}, "m", NOW, TIMES)
+        answer(generate, {"object": "list"}, "m")
     assert err.value.status == 502
 
 
@@ -355,14 +365,14 @@ def test_E1_embed_answers() -> None:
     }
     embed = read("/api/embed", {"model": "e", "input": ["a", "b"]}, "e")
     old = read("/api/embeddings", {"model": "e", "prompt": "a"}, "e")
-    assert answer(embed, body, "e", NOW, TIMES) == {
+    assert answer(embed, body, "e") == {
         "model": "e",
         "embeddings": [[0.1, 0.2], [0.3, 0.4]],
         "total_duration": 5_000,
         "load_duration": 1_000,
         "prompt_eval_count": 4,
     }
-    assert answer(old, body, "e", NOW, TIMES) == {"embedding": [0.1, 0.2]}
+    assert answer(old, body, "e") == {"embedding": [0.1, 0.2]}
 
 
 def test_E1_durations_are_nanoseconds_split_at_admission_upstream_and_first_byte() -> None:
@@ -378,15 +388,15 @@ def lines_of(data: bytes) -> list[dict[str, Any]]:
 
 
 def test_E1_a_chat_stream_is_ndjson_lines_ending_with_done_counts_and_durations() -> None:
-    lines = Lines("chat", True, "m")
-    out = lines.feed({"choices": [{"delta": {"role": "assistant", "content": ""}}]}, NOW)
+    lines = Lines(echo("chat", True, "m"))
+    out = lines.feed({"choices": [{"delta": {"role": "assistant", "content": ""}}]})
     assert out == b""  # nothing said yet: no line
-    out += lines.feed({"choices": [{"delta": {"content": "Hel"}}]}, NOW)
-    out += lines.feed({"choices": [{"delta": {"reasoning_content": "hmm"}}]}, NOW)
-    out += lines.feed({"choices": [{"delta": {"content": "lo"}, "finish_reason": "length"}]}, NOW)
-    out += lines.feed({"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 2}}, NOW)
-    out += lines.finish(NOW, TIMES)
-    assert lines.finished and lines.finish(NOW, TIMES) == b""
+    out += lines.feed({"choices": [{"delta": {"content": "Hel"}}]})
+    out += lines.feed({"choices": [{"delta": {"reasoning_content": "hmm"}}]})
+    out += lines.feed({"choices": [{"delta": {"content": "lo"}, "finish_reason": "length"}]})
+    out += lines.feed({"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 2}})
+    out += lines.finish()
+    assert lines.finished and lines.finish() == b""
     stamp = "2023-11-14T22:13:20.250000Z"
     assert lines_of(out) == [
         {
@@ -424,15 +434,15 @@ def test_E1_a_chat_stream_is_ndjson_lines_ending_with_done_counts_and_durations(
 
 
 def test_E1_streamed_tool_call_deltas_are_sent_as_one_whole_call() -> None:
-    lines = Lines("chat", True, "m")
+    lines = Lines(echo("chat", True, "m"))
     call = {"index": 0, "id": "call_x", "function": {"name": "get_weather", "arguments": ""}}
-    out = lines.feed({"choices": [{"delta": {"tool_calls": [call]}}]}, NOW)
+    out = lines.feed({"choices": [{"delta": {"tool_calls": [call]}}]})
     for piece in ('{"city"', ':"Paris"}'):
         delta = {"tool_calls": [{"index": 0, "function": {"arguments": piece}}]}
-        out += lines.feed({"choices": [{"delta": delta}]}, NOW)
+        out += lines.feed({"choices": [{"delta": delta}]})
     assert out == b""  # gathered until the choice finishes
-    out += lines.feed({"choices": [{"delta": {}, "finish_reason": "tool_calls"}]}, NOW)
-    out += lines.finish(NOW, TIMES)
+    out += lines.feed({"choices": [{"delta": {}, "finish_reason": "tool_calls"}]})
+    out += lines.finish()
     first, last = lines_of(out)
     assert first["message"]["tool_calls"] == [
         {
@@ -444,10 +454,10 @@ def test_E1_streamed_tool_call_deltas_are_sent_as_one_whole_call() -> None:
 
 
 def test_E1_a_generate_stream_and_a_backends_error_event() -> None:
-    lines = Lines("generate", False, "m")
-    out = lines.feed({"choices": [{"text": "Blue", "finish_reason": None}]}, NOW)
-    out += lines.feed({"error": {"message": "context full", "code": 500}}, NOW)
-    assert lines.finished and lines.finish(NOW, TIMES) == b""
+    lines = Lines(echo("generate", False, "m"))
+    out = lines.feed({"choices": [{"text": "Blue", "finish_reason": None}]})
+    out += lines.feed({"error": {"message": "context full", "code": 500}})
+    assert lines.finished and lines.finish() == b""
     assert lines_of(out) == [
         {
             "model": "m",
@@ -457,9 +467,9 @@ def test_E1_a_generate_stream_and_a_backends_error_event() -> None:
         },
         {"error": "context full"},
     ]
-    note = orjson.loads(Lines("generate", True, "m").note(NOW, "queued: position 1 of 1"))
-    assert note["response"] == "" and note["done"] is False
-    assert note["corrallm"] == "queued: position 1 of 1"
+    said = orjson.loads(note("generate", "m", NOW, "queued: position 1 of 1"))
+    assert said["response"] == "" and said["done"] is False
+    assert said["corrallm"] == "queued: position 1 of 1"
 
 
 @pytest.mark.parametrize(

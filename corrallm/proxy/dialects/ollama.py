@@ -11,8 +11,13 @@ feedback, captures, activity); sent to the admitted backend as a Chat Completion
 Ollama's: one JSON object, or NDJSON lines (`application/x-ndjson`), the last with
 `done: true`, the counts and durations in nanoseconds.
 
+The answer is translated as every dialect asked in Chat Completions is (dialects/stream.py):
+`Translated` with `ollama_translate.from_chat` for a whole answer (embeddings too) and
+`ollama_stream.Lines` for a stream; what only Ollama needs, the wall clock of each line
+and the request's durations on the last, the echo carries as two callables (`OllamaEcho`).
+
 A streamed request that waits is told why on its stream opened early (K4), in lines an
-Ollama client reads as empty text (`Lines.note`). Errors are `{"error": "<message>"}`
+Ollama client reads as empty text (`ollama_stream.note`). Errors are `{"error": "<message>"}`
 with one of Ollama's statuses (`write_error`); a stream that breaks off or is preempted
 ends with such a line. `keep_alive: 0` unloads the model once the request is over, when
 no one else uses it (ollama_catalog.unload_idle).
@@ -21,30 +26,31 @@ no one else uses it (ollama_catalog.unload_idle).
 from __future__ import annotations
 
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable
 from typing import Any
 
 import orjson
 
 from corrallm.http.asgi import Receive, Scope, Send, send_bytes
-from corrallm.http.errors import ApiError, bad_gateway, bad_request
+from corrallm.http.errors import ApiError, bad_request
 from corrallm.observe.context import CURRENT
 from corrallm.proxy import jsonbody, relay
 from corrallm.proxy.dialects.ollama_catalog import unload_idle, unload_later
-from corrallm.proxy.dialects.ollama_stream import Lines
+from corrallm.proxy.dialects.ollama_stream import Lines, note
 from corrallm.proxy.dialects.ollama_translate import (
     NDJSON,
-    OllamaRequest,
+    OllamaEcho,
     Timings,
-    answer,
     error_line,
     error_status,
+    from_chat,
     read,
     served_name,
     settled,
     timings,
 )
 from corrallm.proxy.dialects.openai import upstream_body
+from corrallm.proxy.dialects.stream import Translated
 from corrallm.proxy.feedback import StreamForm
 from corrallm.proxy.metering import Meter
 from corrallm.proxy.pipeline import Inbound, Pipeline, caller_key, ready
@@ -98,116 +104,62 @@ class Ollama:
         payload, asked = parse(body)
         path: str = scope["path"]
         model = served_name(asked, pipeline.runtime.models)
-        self.request: OllamaRequest = read(path, payload, model)
+        request = self.request = read(path, payload, model)
         self.asked = asked  # answers are named as the client named the model
         self.arrived = time.monotonic()
-        chat = self.request.body
+        chat = request.body
         self.inbound = Inbound(
             model,
             path,
             caller_key(scope),
             len(body),
             None,
-            self.request.limit,
+            request.limit,
             session_key(scope["headers"], chat) if pipeline.has_choice(model) else None,
-            stream=self.request.stream,
+            stream=request.stream,
         )
-        lines = Lines(self.request.kind, self.request.chat, asked)
-        self.form = StreamForm(NDJSON, lambda text: lines.note(time.time(), text))
+        kind = request.kind
+        # One echo for every answer tried: its `times` reads the answer being relayed.
+        self.echo = OllamaEcho(kind, request.chat, asked, time.time, self._times)
+        self.form = StreamForm(NDJSON, lambda text: note(kind, asked, time.time(), text))
+        self.modes = streamed if request.stream else whole
+        self.meter: Meter | None = None
+        self.admitted: float | None = None
 
     def upstream(self, route: Route) -> tuple[str, bytes]:
         # The model renamed, filters applied, the token limit clamped, afresh on each try.
         return self.request.upstream, upstream_body(b"", self.request.body, route, force=True)
 
     def answer(self, route: Route) -> Codec:
-        request = self.request
-        lines = Lines(request.kind, request.chat, self.asked) if request.stream else None
         exchange = CURRENT.get()
         visit = exchange.visit if exchange is not None else None
-        arrived = visit.arrived_mono if visit is not None else self.arrived
-        admitted = visit.admitted_mono if visit is not None else None
-        return OllamaAnswer(Meter(), request, self.asked, lines, arrived, admitted)
-
-
-class OllamaAnswer:
-    """One upstream answer in Ollama's shape: a Chat or Completions stream as NDJSON lines
-    (`lines`), a whole answer as one object; anything else is refused (an error)."""
-
-    __slots__ = ("admitted", "arrived", "lines", "meter", "model", "request")
-
-    cuttable = True
-    stream_type = NDJSON
-
-    def __init__(
-        self,
-        meter: Meter,
-        request: OllamaRequest,
-        model: str,
-        lines: Lines | None,
-        arrived: float,
-        admitted: float | None,
-    ) -> None:
-        self.meter, self.request, self.model, self.lines = meter, request, model, lines
-        self.arrived, self.admitted = arrived, admitted
+        if visit is not None:
+            self.arrived, self.admitted = visit.arrived_mono, visit.admitted_mono
+        meter = self.meter = Meter()
+        echo = self.echo
+        return Translated(Lines(echo), from_chat, echo, self.modes, meter)
 
     def _times(self) -> Timings:
+        """The durations of the request so far, as the answer being relayed metered them."""
         meter = self.meter
-        return timings(
-            self.arrived, self.admitted, meter.started, meter.first_byte, time.monotonic()
-        )
-
-    def mode(self, status: int, kind: str) -> Mode:
-        if status < 400 and kind == "text/event-stream" and self.lines is not None:
-            return Mode.EVENTS
-        if status < 400 and kind == "application/json" and self.lines is None:
-            return Mode.WHOLE
-        return Mode.REFUSE
-
-    def whole(self, body: bytes, backend: str) -> bytes:
-        try:
-            parsed = orjson.loads(body)
-        except orjson.JSONDecodeError:
-            raise bad_gateway(f"backend '{backend}' answered with invalid JSON.") from None
-        return orjson.dumps(answer(self.request, parsed, self.model, time.time(), self._times()))
-
-    def begin(self) -> bytes:
-        return b""
-
-    def events(self, data: bytes) -> bytes:
-        assert self.lines is not None
-        return _translate(data, self.lines, self._times)
-
-    def done(self, sent: bytes) -> bool:
-        return self.lines is not None and self.lines.finished
-
-    def close(self, tail: bytes) -> bytes:
-        assert self.lines is not None
-        return _translate(tail, self.lines, self._times) + self.lines.finish(
-            time.time(), self._times()
-        )
-
-    def fail(self, error: ApiError) -> bytes:
-        return error_line(error)
+        assert meter is not None  # asked only of an answer, made by `answer`
+        end = time.monotonic()
+        return timings(self.arrived, self.admitted, meter.started, meter.first_byte, end)
 
 
-def _translate(events: bytes, lines: Lines, times: Callable[[], Timings]) -> bytes:
-    """Chat or Completions SSE events (whole) to NDJSON lines; `data: [DONE]` closes."""
-    if b"\r" in events:
-        events = events.replace(b"\r\n", b"\n").replace(b"\r", b"\n")
-    now = time.time()
-    out = []
-    for line in events.split(b"\n"):
-        if not line.startswith(b"data:"):
-            continue
-        data = line[5:].strip()
-        if data == b"[DONE]":
-            out.append(lines.finish(now, times()))
-            continue
-        try:
-            out.append(lines.feed(orjson.loads(data), now))
-        except orjson.JSONDecodeError:
-            continue
-    return b"".join(out)
+def streamed(status: int, kind: str) -> Mode:
+    """A streamed request's answer: a Chat or Completions stream, translated; anything
+    else is refused (Ollama's error)."""
+    if status < 400 and kind == "text/event-stream":
+        return Mode.EVENTS
+    return Mode.REFUSE
+
+
+def whole(status: int, kind: str) -> Mode:
+    """A whole answer's: JSON, translated; anything else is refused."""
+    if status < 400 and kind == "application/json":
+        return Mode.WHOLE
+    return Mode.REFUSE
 
 
 async def _then_unload(pipeline: Pipeline, model: str, work: Awaitable[None]) -> None:

@@ -1,7 +1,8 @@
 """Chat Completions or Completions stream chunks in, Ollama's NDJSON lines out (SPEC §23 E1),
-pure: `Lines` writes one line per chunk that carries text, a line with each finished
-round of tool calls, and a last line with `done: true`, the `done_reason`, the token
-counts and the durations in nanoseconds.
+pure: `Lines` (a `stream.StreamTranslator`) writes one line per chunk that carries text, a
+line with each finished round of tool calls, and a last line with `done: true`, the
+`done_reason`, the token counts and the durations in nanoseconds. `note` is the line that
+tells a waiting client why it waits (K4).
 """
 
 from __future__ import annotations
@@ -10,61 +11,75 @@ from typing import Any
 
 import orjson
 
+from corrallm.http.errors import ApiError
 from corrallm.proxy.dialects.ollama_translate import (
-    Timings,
+    NDJSON,
+    OllamaEcho,
     created_at,
     done_reason,
+    error_line,
     final_fields,
     tool_calls,
 )
 
 
+def _line(kind: str, model: str, now: float, said: dict[str, Any]) -> dict[str, Any]:
+    """A line not done yet, saying `said` (content, thinking, tool calls) as `kind` does:
+    a chat's in its `message`, a generate's text in `response` and the rest beside it."""
+    line: dict[str, Any] = {"model": model, "created_at": created_at(now)}
+    if kind == "chat":
+        line["message"] = {"role": "assistant", "content": "", **said}
+    else:
+        line["response"] = said.pop("content", "")
+        line.update(said)
+    line["done"] = False
+    return line
+
+
+def note(kind: str, model: str, now: float, text: str) -> bytes:
+    """A line that says nothing to the answer (empty text) and tells a waiting client why
+    it waits (K4) in a field of corrallm's own."""
+    return orjson.dumps({**_line(kind, model, now, {}), "corrallm": text}) + b"\n"
+
+
 class Lines:
-    """Chat (`chat`: an `/api/chat` or `/api/generate` answer from Chat Completions) or
-    Completions chunks, parsed, in; NDJSON lines (bytes) out, named `model`.
+    """Chat (`echo.chat`: an `/api/chat` or `/api/generate` answer from Chat Completions)
+    or Completions chunks, parsed, in; NDJSON lines (bytes) out, named `echo.model`, each
+    stamped `echo.now()` (`stream.StreamTranslator`).
 
     Ollama sends a tool call whole, never its arguments piece by piece: the Chat deltas
     of the calls are gathered and sent as one line once the choice finishes (or the
     stream ends)."""
 
-    def __init__(self, kind: str, chat: bool, model: str) -> None:
-        self.kind, self.chat, self.model = kind, chat, model
+    content_type = NDJSON
+
+    def __init__(self, echo: OllamaEcho) -> None:
+        self.echo = echo
+        self.kind, self.chat, self.model, self.now = echo.kind, echo.chat, echo.model, echo.now
         self.finished = False
         self.reason = "stop"
         self.usage: dict[str, Any] | None = None
         self.calls: dict[int, dict[str, Any]] = {}  # Chat tool calls by index, gathering
         # A line that carries text alone (nearly every line) is written from these parts,
         # the same bytes as `_line` makes, without building and dumping a dict per token.
-        self._head = b'{"model":' + orjson.dumps(model) + b',"created_at":'
-        if kind == "chat":
+        self._head = b'{"model":' + orjson.dumps(echo.model) + b',"created_at":'
+        if echo.kind == "chat":
             self._text = b',"message":{"role":"assistant","content":'
             self._tail = b'},"done":false}\n'
         else:
             self._text, self._tail = b',"response":', b',"done":false}\n'
-        self._now = -1.0
-        self._stamp = b""
 
     def _text_line(self, now: float, text: str) -> bytes:
-        if now != self._now:
-            self._now, self._stamp = now, orjson.dumps(created_at(now))
-        return self._head + self._stamp + self._text + orjson.dumps(text) + self._tail
+        stamp = orjson.dumps(created_at(now))
+        return self._head + stamp + self._text + orjson.dumps(text) + self._tail
 
-    def _line(self, now: float, said: dict[str, Any], done: bool = False) -> dict[str, Any]:
-        line: dict[str, Any] = {"model": self.model, "created_at": created_at(now)}
-        if self.kind == "chat":
-            line["message"] = {"role": "assistant", "content": "", **said}
-        else:
-            line["response"] = said.pop("content", "")
-            line.update(said)
-        line["done"] = done
-        return line
+    def _said(self, now: float, said: dict[str, Any]) -> bytes:
+        return orjson.dumps(_line(self.kind, self.model, now, said)) + b"\n"
 
-    def note(self, now: float, text: str) -> bytes:
-        """A line that says nothing to the answer (empty text) and tells a waiting client
-        why it waits (K4) in a field of corrallm's own."""
-        return orjson.dumps({**self._line(now, {}), "corrallm": text}) + b"\n"
+    def start(self) -> bytes:
+        return b""  # an NDJSON stream has no opening: its first line is the first text
 
-    def feed(self, chunk: Any, now: float) -> bytes:
+    def feed(self, chunk: Any) -> bytes:
         """The lines for one chunk (`data:` JSON, parsed)."""
         if not isinstance(chunk, dict) or self.finished:
             return b""
@@ -94,16 +109,16 @@ class Lines:
             text = choice.get("text")
         if isinstance(text, str) and text:
             if not said:
-                out = self._text_line(now, text)
+                out = self._text_line(self.now(), text)
             else:
                 said["content"] = text
-                out = orjson.dumps(self._line(now, said)) + b"\n"
+                out = self._said(self.now(), said)
         else:
-            out = orjson.dumps(self._line(now, said)) + b"\n" if said else b""
+            out = self._said(self.now(), said) if said else b""
         finish = choice.get("finish_reason")
         if finish:
             self.reason = done_reason(finish)
-            out += self._calls(now)
+            out += self._calls()
         return out
 
     def _gather(self, call: dict[str, Any]) -> None:
@@ -121,21 +136,26 @@ class Lines:
             if isinstance(function.get("arguments"), str):
                 held["function"]["arguments"] += function["arguments"]
 
-    def _calls(self, now: float) -> bytes:
+    def _calls(self) -> bytes:
         """The gathered tool calls as one line (none: nothing)."""
         if not self.calls:
             return b""
         gathered = [self.calls[i] for i in sorted(self.calls)]
         self.calls = {}
         made = tool_calls([c if c["id"] else {"function": c["function"]} for c in gathered])
-        return orjson.dumps(self._line(now, {"tool_calls": made})) + b"\n"
+        return self._said(self.now(), {"tool_calls": made})
 
-    def finish(self, now: float, times: Timings) -> bytes:
-        """The closing line (after any tool calls still gathered)."""
+    def finish(self) -> bytes:
+        """The closing line (after any tool calls still gathered); b"" once sent."""
         if self.finished:
             return b""
         self.finished = True
-        out = self._calls(now)
-        last = self._line(now, {})
-        last.update(final_fields(self.reason, self.usage, times))
+        out = self._calls()
+        last = _line(self.kind, self.model, self.now(), {})
+        last.update(final_fields(self.reason, self.usage, self.echo.times()))
         return out + orjson.dumps(last) + b"\n"
+
+    def fail(self, error: ApiError) -> bytes:
+        """What ends a stream that broke off or was interrupted: an error line."""
+        self.finished = True
+        return error_line(error)

@@ -4,12 +4,14 @@ data in, data out.
 - `read(path, payload, model)`: an `/api/chat`, `/api/generate`, `/api/embed` or
   `/api/embeddings` request, checked field by field (a malformed one is a 400 naming the
   field), as the OpenAI request to send (`OllamaRequest`).
-- `answer(kind, answer, ...)`: the backend's answer, held whole, in Ollama's shape.
+- `from_chat(answer, echo)`: the backend's answer, held whole (a Chat Completion, a
+  Completion or Embeddings), in Ollama's shape (`stream.Translated`'s whole answer).
 - the stream (Chat or Completions chunks in, NDJSON lines out) is `ollama_stream.py`'s.
 - `error_status` / `error_line`: Ollama's error shape, `{"error": "<message>"}`.
 
-Times come in as numbers (monotonic seconds, wall-clock seconds): no clock, no I/O, no
-logging here; the codec (ollama.py) does those.
+Times come in as numbers (monotonic seconds, wall-clock seconds), or from the echo's two
+callables (`OllamaEcho.now`, `.times`), which the dialect (ollama.py) gives: no clock,
+no I/O, no logging here.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from __future__ import annotations
 import functools
 import math
 import time
-from collections.abc import Container, Mapping
+from collections.abc import Callable, Container, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,6 +27,7 @@ import orjson
 
 from corrallm.config.units import parse_duration
 from corrallm.http.errors import ApiError, bad_request, quoted
+from corrallm.proxy.dialects.stream import TranslationError
 
 NDJSON = b"application/x-ndjson"
 CHAT, GENERATE, EMBED, EMBEDDINGS = "/api/chat", "/api/generate", "/api/embed", "/api/embeddings"
@@ -396,6 +399,21 @@ class Timings:
     eval: int = 0
 
 
+@dataclass(frozen=True, slots=True)
+class OllamaEcho:
+    """What an answer repeats of its request, and when it is given (`stream.Translated`'s
+    echo): its `kind` (`chat`, `generate`, `embed`, `embeddings`), whether it is answered
+    from Chat Completions (`chat`; else a Completion), the model as the client named it;
+    `now()` the wall clock (`created_at`), `times()` the request's durations so far (the
+    last line's, a whole answer's). Clocks as callables: the translators stay pure."""
+
+    kind: str
+    chat: bool
+    model: str
+    now: Callable[[], float]
+    times: Callable[[], Timings]
+
+
 def timings(
     arrived: float, admitted: float | None, sent: float, first: float | None, end: float
 ) -> Timings:
@@ -493,7 +511,7 @@ def arguments(text: Any) -> dict[str, Any]:
 def _choice(answer: Any) -> dict[str, Any]:
     choices = answer.get("choices") if isinstance(answer, dict) else None
     if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
-        raise ApiError(502, "The backend's answer has no choices: not a completion.")
+        raise TranslationError("an answer with no choices: not a completion.")
     return choices[0]
 
 
@@ -515,31 +533,30 @@ def message(choice: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def answer(
-    request: OllamaRequest, body: Any, model: str, now: float, times: Timings
-) -> dict[str, Any]:
-    """The backend's whole answer to `request` in Ollama's shape, named `model` (what the
-    client asked for)."""
-    usage = body.get("usage") if isinstance(body, dict) else None
-    if request.kind in ("embed", "embeddings"):
-        data = body.get("data") if isinstance(body, dict) else None
+def from_chat(answer: Any, echo: OllamaEcho) -> dict[str, Any]:
+    """The backend's whole answer (a Chat Completion, a Completion, or Embeddings for
+    `embed` and `embeddings`) in Ollama's shape, named as the client named the model."""
+    usage = answer.get("usage") if isinstance(answer, dict) else None
+    if echo.kind in ("embed", "embeddings"):
+        data = answer.get("data") if isinstance(answer, dict) else None
         if not isinstance(data, list):
-            raise ApiError(502, "The backend's answer has no data: not an embeddings answer.")
+            raise TranslationError("an answer with no data: not an embeddings answer.")
         vectors = [d.get("embedding") for d in data if isinstance(d, dict)]
-        if request.kind == "embeddings":
+        if echo.kind == "embeddings":
             return {"embedding": vectors[0] if vectors else []}
+        times = echo.times()
         return {
-            "model": model,
+            "model": echo.model,
             "embeddings": vectors,
             "total_duration": times.total,
             "load_duration": times.load,
             "prompt_eval_count": counts(usage)[0],
         }
-    choice = _choice(body)
-    out: dict[str, Any] = {"model": model, "created_at": created_at(now)}
-    if request.kind == "chat":
+    choice = _choice(answer)
+    out: dict[str, Any] = {"model": echo.model, "created_at": created_at(echo.now())}
+    if echo.kind == "chat":
         out["message"] = message(choice)
-    elif request.chat:
+    elif echo.chat:
         said = message(choice)
         out["response"] = said["content"]
         if "thinking" in said:
@@ -547,7 +564,7 @@ def answer(
     else:
         text = choice.get("text")
         out["response"] = text if isinstance(text, str) else ""
-    out.update(final_fields(done_reason(choice.get("finish_reason")), usage, times))
+    out.update(final_fields(done_reason(choice.get("finish_reason")), usage, echo.times()))
     return out
 
 
