@@ -19,7 +19,7 @@ from typing import Any
 import orjson
 
 from corrallm.http.errors import ApiError, bad_request
-from corrallm.proxy.dialects.stream import TranslationError
+from corrallm.proxy.dialects.stream import TranslationError, tool_arguments
 
 # A request holds at most this many content blocks in all (a hostile one holds 10,000).
 MAX_BLOCKS = 4096
@@ -316,16 +316,6 @@ def stop_reason(choice: dict[str, Any], stops: Sequence[str]) -> tuple[str, str 
     return STOP_REASONS.get(choice.get("finish_reason") or "stop", "end_turn"), None
 
 
-def _input(arguments: Any) -> dict[str, Any]:
-    if isinstance(arguments, dict):
-        return arguments
-    try:
-        parsed = orjson.loads(arguments or "{}")
-    except (orjson.JSONDecodeError, TypeError):
-        return {"_unparsed_arguments": str(arguments)}
-    return parsed if isinstance(parsed, dict) else {"value": parsed}
-
-
 def usage_of(usage: Any) -> dict[str, int]:
     usage = usage if isinstance(usage, dict) else {}
     prompt, completion = usage.get("prompt_tokens"), usage.get("completion_tokens")
@@ -358,7 +348,7 @@ def from_chat(answer: Any, echo: MessageEcho) -> dict[str, Any]:
                 "type": "tool_use",
                 "id": call.get("id") or f"toolu_{i}",
                 "name": function.get("name", ""),
-                "input": _input(function.get("arguments")),
+                "input": tool_arguments(function.get("arguments")),
             }
         )
     reason, sequence = stop_reason(choice, echo.stops)

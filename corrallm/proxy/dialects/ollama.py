@@ -27,14 +27,13 @@ from __future__ import annotations
 
 import time
 from collections.abc import Awaitable
-from typing import Any
 
 import orjson
 
 from corrallm.http.asgi import Receive, Scope, Send, send_bytes
-from corrallm.http.errors import ApiError, bad_request
+from corrallm.http.errors import ApiError
 from corrallm.observe.context import CURRENT
-from corrallm.proxy import jsonbody, relay
+from corrallm.proxy import relay
 from corrallm.proxy.dialects.ollama_catalog import unload_idle, unload_later
 from corrallm.proxy.dialects.ollama_stream import Lines, note
 from corrallm.proxy.dialects.ollama_translate import (
@@ -49,7 +48,7 @@ from corrallm.proxy.dialects.ollama_translate import (
     settled,
     timings,
 )
-from corrallm.proxy.dialects.openai import upstream_body
+from corrallm.proxy.dialects.openai import parse_request, upstream_body
 from corrallm.proxy.dialects.stream import Translated
 from corrallm.proxy.feedback import StreamForm
 from corrallm.proxy.metering import Meter
@@ -64,19 +63,6 @@ async def write_error(error: ApiError, send: Send) -> None:
     the key's x-ratelimit-* counts, Allow)."""
     body = orjson.dumps({"error": error.message})
     await send_bytes(send, error_status(error.status), body, headers=error.headers)
-
-
-def parse(body: bytes) -> tuple[dict[str, Any], str]:
-    """The JSON object of a body (a key repeated is refused: jsonbody.py) and its model."""
-    payload = jsonbody.parse(body)
-    if not isinstance(payload, dict):
-        raise bad_request("The request body must be a JSON object with a 'model' field.")
-    model = payload.get("model")
-    if not isinstance(model, str) or not model:
-        raise bad_request(
-            "Missing 'model': name the model to use (GET /api/tags lists them).", param="model"
-        )
-    return payload, model
 
 
 def serve(
@@ -101,7 +87,7 @@ class Ollama:
     error_event = staticmethod(error_line)
 
     def __init__(self, pipeline: Pipeline, scope: Scope, body: bytes) -> None:
-        payload, asked = parse(body)
+        payload, asked = parse_request(body, "GET /api/tags")
         path: str = scope["path"]
         model = served_name(asked, pipeline.runtime.models)
         request = self.request = read(path, payload, model)

@@ -27,7 +27,7 @@ import orjson
 
 from corrallm.config.units import parse_duration
 from corrallm.http.errors import ApiError, bad_request, quoted
-from corrallm.proxy.dialects.stream import TranslationError
+from corrallm.proxy.dialects.stream import TranslationError, tool_arguments
 
 NDJSON = b"application/x-ndjson"
 CHAT, GENERATE, EMBED, EMBEDDINGS = "/api/chat", "/api/generate", "/api/embed", "/api/embeddings"
@@ -489,23 +489,13 @@ def tool_calls(calls: Any) -> list[dict[str, Any]]:
             "function": {
                 "index": i,
                 "name": function.get("name") or "",
-                "arguments": arguments(function.get("arguments")),
+                "arguments": tool_arguments(function.get("arguments")),
             }
         }
         if isinstance(call.get("id"), str):
             made["id"] = call["id"]
         out.append(made)
     return out
-
-
-def arguments(text: Any) -> dict[str, Any]:
-    if isinstance(text, dict):
-        return text
-    try:
-        parsed = orjson.loads(text or "{}")
-    except (orjson.JSONDecodeError, TypeError):
-        return {"_unparsed_arguments": str(text)}
-    return parsed if isinstance(parsed, dict) else {"value": parsed}
 
 
 def _choice(answer: Any) -> dict[str, Any]:

@@ -32,16 +32,16 @@ MAX_TOKENS_ASKED = 2**31 - 1
 UPLOAD_PATHS = frozenset({"/v1/audio/transcriptions", "/v1/audio/translations"})
 
 
-def parse_request(body: bytes) -> tuple[dict[str, Any], str]:
-    """The JSON object of a /v1 body (a key repeated is refused: jsonbody.py) and its
-    model."""
+def parse_request(body: bytes, listing: str = "GET /v1/models") -> tuple[dict[str, Any], str]:
+    """The JSON object of a body (a key repeated is refused: jsonbody.py) and its model;
+    `listing`: where the dialect's clients find the model names."""
     payload = jsonbody.parse(body)
     if not isinstance(payload, dict):
         raise bad_request("The request body must be a JSON object with a 'model' field.")
     model = payload.get("model")
     if not isinstance(model, str) or not model:
         raise bad_request(
-            "Missing 'model': name the model to use (GET /v1/models lists them).", param="model"
+            f"Missing 'model': name the model to use ({listing} lists them).", param="model"
         )
     return payload, model
 

@@ -48,6 +48,19 @@ class TranslationError(ApiError):
         super().__init__(502, message, "backend_error", type="api_error")
 
 
+def tool_arguments(arguments: Any) -> dict[str, Any]:
+    """A Chat tool call's `arguments` (a JSON string, as OpenAI sends them) as the object
+    Anthropic's `input` and Ollama's `arguments` are; text that is not a JSON object is
+    kept rather than lost."""
+    if isinstance(arguments, dict):
+        return arguments
+    try:
+        parsed = orjson.loads(arguments or "{}")
+    except (orjson.JSONDecodeError, TypeError):
+        return {"_unparsed_arguments": str(arguments)}
+    return parsed if isinstance(parsed, dict) else {"value": parsed}
+
+
 class StreamTranslator(Protocol):
     """Chat Completions stream chunks in, the dialect's stream out (see the module's
     docstring). Pure: no I/O, no clock but what ids and timestamps need."""
