@@ -18,7 +18,6 @@ import itertools
 import logging
 import os
 import pickle
-from collections import Counter
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -349,7 +348,6 @@ class RemoteRuntime:
         self.throttle = RemoteLimits()
         self.live = RemoteLive(self.link)
         self.mirrors: dict[str, Mirror] = {}
-        self.lanes_ignored: Counter[str] = Counter()  # X3 (the owner's /metrics lacks these)
         # E2: each worker exports the spans of the requests it relays.
         self.tracer: Tracer | None = None
         self.telemetry = TelemetryConfig()  # unset: no tracer
