@@ -226,7 +226,7 @@ class RemoteAdmission:
             error = ApiError(status, message, code, type=type_, param=param, headers=headers)
             error.extra, error.recorded = extra, recorded
             raise error
-        route_id, url, ticket_id, preemptible, counts = fields
+        route_id, url, ticket_id, preemptible, counts, loaded = fields
         self.core.places.pop(ticket_id, None)
         if counts is not None and exchange is not None:
             exchange.headers = _raw(counts)
@@ -239,6 +239,7 @@ class RemoteAdmission:
             mirror.base_url = url
         assert pending.stop is not None
         ticket = pending.ticket = Ticket(ticket_id, group, route, preemptible, pending.stop)
+        ticket.loaded_ms = loaded
         return ticket
 
 
