@@ -5,7 +5,6 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-import yaml
 
 from tests.support.calls import Call
 from tests.support.clients import close_all
@@ -23,18 +22,9 @@ from tests.support.processes import (
 # CORRALLM_WORKERS=2 (CI runs the integration and fault tiers a second time so): every
 # gateway is a `corrallm serve` process, which reads it from its environment and serves
 # with two relaying workers behind one owner of state (docs/design.md).
+# A config with peers stays one process even so (`start_gateway` sees to it, for every
+# gateway a test starts): `serve --workers` refuses peers.
 WORKERS = os.environ.get("CORRALLM_WORKERS", "1") not in ("", "1")
-
-
-def _peered(config_text: str) -> bool:
-    """A config with peers, which `serve --workers` refuses (not served yet): such a
-    gateway stays one process under CORRALLM_WORKERS, unless the test set the count."""
-    try:
-        loaded = yaml.safe_load(config_text)
-    except yaml.YAMLError:
-        return False
-    return isinstance(loaded, dict) and bool(loaded.get("peers"))
-
 
 # What a gateway must be a `corrallm serve` process for: the environment it reads at start,
 # or a test that looks at the process itself (signals, exit, fds).
@@ -59,10 +49,6 @@ def gateway_factory(
 
     def start(config_text: str, *, process: bool = False, **kwargs: object) -> GatewayClient:
         gateway: GatewayClient
-        if WORKERS and _peered(config_text):
-            env = dict(kwargs.get("env") or {})  # type: ignore[call-overload]
-            env.setdefault("CORRALLM_WORKERS", "1")
-            kwargs["env"] = env
         if process or marked or WORKERS or any(k in kwargs for k in _PROCESS_ONLY):
             gateway = start_gateway(config_text, tmp_path, **kwargs)  # type: ignore[arg-type]
         else:

@@ -452,7 +452,8 @@ class Pipeline:
         the ticket to go on with (routed again: P6, X4; requeued: S4)."""
         rt, visit = self.runtime, flight.visit
         route = ticket.route
-        visit.admitted_mono = visit.admitted_mono or time.monotonic()
+        # Admitted when its slot was granted: before the load its admission waited for.
+        visit.admitted_mono = visit.admitted_mono or time.monotonic() - ticket.loaded_ms / 1000
         visit.backend, visit.backend_id = route.config, route.id
         visit.degraded = served.degraded(route)
         visit.spilled = route not in tiers[0]
@@ -574,14 +575,22 @@ class _Flight:
     async def queued(self, admit: Awaitable[Ticket], note: QueueNote) -> Ticket:
         """The ticket `admit` gives; the time it waited in a queue added to `queue_ms`
         (K4): from when the admission queued it (`note.since`), so that a request
-        admitted at once waited 0 ms."""
+        admitted at once waited 0 ms. A load the admission waited for as well (a
+        worker's owner loads before it admits) is load time, not queue time (K4, E2)."""
+        ticket: Ticket | None = None
         try:
             if self.narrator is None:
-                return await admit
-            return await self.narrator.over(admit, note, lambda: self._so_far(note.since, "queue"))
+                ticket = await admit
+            else:
+                ticket = await self.narrator.over(
+                    admit, note, lambda: self._so_far(note.since, "queue")
+                )
+            return ticket
         finally:
+            loaded = ticket.loaded_ms if ticket is not None else 0.0
             if note.since is not None:
-                self.waited.queue_ms += (time.monotonic() - note.since) * 1000
+                self.waited.queue_ms += max(0.0, (time.monotonic() - note.since) * 1000 - loaded)
+            self.waited.load_ms += loaded
 
     async def loading(self, ready: Awaitable[None], note: Callable[[], str]) -> None:
         began = time.monotonic()

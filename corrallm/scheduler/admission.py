@@ -145,9 +145,13 @@ class Admission:
         if isinstance(decision, Admit):
             return self._admitted(ticket, decision.backend)
         assert isinstance(decision, Queued | Preempt)
+        # Its place among the waiters now, not when the wait first runs: the owner of
+        # `--workers` runs it in a task of its own, a loop turn later, and a slot freed
+        # meanwhile (a worker's RELEASE read in the same turn) is handed to it here.
+        future = self._expect(request.id)
         if on_queued is not None:
             on_queued(request.id)
-        return self._wait(ticket, group, decision.backend)
+        return self._wait(ticket, group, decision.backend, future)
 
     def release(self, ticket: Ticket, tokens: int = 0, dollars: float = 0.0) -> None:
         """The request is done; `tokens` and `dollars` charge lanes sharing in those."""
@@ -170,8 +174,9 @@ class Admission:
         self._running.pop(ticket.id, None)
         ticket.stop.clear()
         backend = ticket.route.id
+        future = self._expect(ticket.id)  # before the core may admit it at once
         self._dispatch(self.core.requeue(ticket.id, self.clock()))
-        return await self._wait(ticket, group, backend)
+        return await self._wait(ticket, group, backend, future)
 
     # -- leases (SPEC §7) --------------------------------------------------------------
 
@@ -234,9 +239,19 @@ class Admission:
 
     # -- the machinery -----------------------------------------------------------------
 
-    async def _wait(self, ticket: Ticket, group: PriorityGroup | None, backend: str) -> Ticket:
+    def _expect(self, request_id: int) -> asyncio.Future[str]:
+        """Where the core's admission of a waiting request lands (`_dispatch`)."""
         future: asyncio.Future[str] = asyncio.get_running_loop().create_future()
-        self._waiting[ticket.id] = future
+        self._waiting[request_id] = future
+        return future
+
+    async def _wait(
+        self,
+        ticket: Ticket,
+        group: PriorityGroup | None,
+        backend: str,
+        future: asyncio.Future[str],
+    ) -> Ticket:
         max_wait = (group.max_wait if group else None) or self.config.scheduler.max_wait
         try:
             # asyncio.timeout, not wait_for: on 3.11 wait_for swallows a cancel that lands

@@ -131,6 +131,10 @@ class Ticket:
     # K6: the conversation it belongs to (served model, session key), remembered on the
     # backend it is admitted to.
     session: tuple[str, str] | None = None
+    # How long its admission itself waited for the backend to be ready, in ms: a
+    # `--workers` worker's owner loads before it answers ADMITTED (docs/design.md). In
+    # process 0: the pipeline waits for the load itself, after the admission.
+    loaded_ms: float = 0.0
 
     @property
     def task(self) -> asyncio.Task[Any] | None:

@@ -43,7 +43,7 @@ class Kind(enum.IntEnum):
     KEYS = 27  # pickle: the runtime keys and refused secrets now (T2: made, rotated, revoked)
     COUNTS = 28  # [[subjects], [[header, value], ...]]: a key's x-ratelimit-* counts now
     QUEUED = 22  # [ticket, backend, position, waiting, eta]
-    ADMITTED = 24  # [route id, base url, ticket, preemptible, rate-limit headers]
+    ADMITTED = 24  # [route id, base url, ticket, preemptible, rate-limit headers, load ms]
     REFUSED = 25  # the ApiError's fields: the surface renders it
     INTERRUPT = 26  # [reason, detail]: preempted, cancelled, its peer down
 

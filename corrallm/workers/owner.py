@@ -194,6 +194,7 @@ class WorkerLink(Link):
 
     async def _acquire(self, held: Held, requeued: Ticket | None) -> None:
         gw, visit = self.gw, held.visit
+        loaded = held.load_ms  # what earlier acquires of it waited for loads (S4)
         try:
             served = self._served(visit.model)
             if requeued is not None:
@@ -248,7 +249,7 @@ class WorkerLink(Link):
                 held.entered = endpoint
                 self._still(held)
                 break
-            self._admitted(held, served, ticket)
+            self._admitted(held, served, ticket, held.load_ms - loaded)
         except Rejected as exc:
             self._refuse(held, too_many_requests(exc))
         except ApiError as exc:
@@ -344,13 +345,22 @@ class WorkerLink(Link):
         if held.gone:
             raise _Withdrawn
 
-    def _admitted(self, held: Held, served: ServedModel, ticket: Ticket) -> None:
+    def _admitted(self, held: Held, served: ServedModel, ticket: Ticket, loaded: float) -> None:
+        """`loaded`: the ms this acquire waited for its backend's load (the worker's
+        K4 headers and E2 spans tell it as load time)."""
         visit, route = held.visit, ticket.route
         visit.backend, visit.backend_id = route.config, route.id
         visit.degraded = served.degraded(route)
         visit.spilled = route not in held.first
         held.live.state = "running"
-        answer = [route.id, route.endpoint.base_url, ticket.id, ticket.preemptible, held.headers]
+        answer = [
+            route.id,
+            route.endpoint.base_url,
+            ticket.id,
+            ticket.preemptible,
+            held.headers,
+            loaded,
+        ]
         self.send(Kind.ADMITTED, held.rid, encode(answer))
 
     def _refuse(self, held: Held, error: ApiError) -> None:

@@ -18,7 +18,6 @@ import itertools
 import logging
 import os
 import pickle
-from collections import Counter
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -227,7 +226,7 @@ class RemoteAdmission:
             error = ApiError(status, message, code, type=type_, param=param, headers=headers)
             error.extra, error.recorded = extra, recorded
             raise error
-        route_id, url, ticket_id, preemptible, counts = fields
+        route_id, url, ticket_id, preemptible, counts, loaded = fields
         self.core.places.pop(ticket_id, None)
         if counts is not None and exchange is not None:
             exchange.headers = _raw(counts)
@@ -240,6 +239,7 @@ class RemoteAdmission:
             mirror.base_url = url
         assert pending.stop is not None
         ticket = pending.ticket = Ticket(ticket_id, group, route, preemptible, pending.stop)
+        ticket.loaded_ms = loaded
         return ticket
 
 
@@ -349,7 +349,6 @@ class RemoteRuntime:
         self.throttle = RemoteLimits()
         self.live = RemoteLive(self.link)
         self.mirrors: dict[str, Mirror] = {}
-        self.lanes_ignored: Counter[str] = Counter()  # X3 (the owner's /metrics lacks these)
         # E2: each worker exports the spans of the requests it relays.
         self.tracer: Tracer | None = None
         self.telemetry = TelemetryConfig()  # unset: no tracer

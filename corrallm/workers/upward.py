@@ -1,6 +1,7 @@
 """What a worker does not serve itself goes up to the owner: the management API, the
 dashboard, /metrics, /health, /v1/models, reservations, /upstream... — every path but the
-pipeline's surfaces — relayed as it came to the owner's full app, which listens on a Unix
+pipeline's surfaces, and a request another gateway forwarded (worker.py's `_forwarded`)
+— relayed as it came to the owner's full app, which listens on a Unix
 socket (its folder only this user may open).
 
 Relayed rather than served from a copy: those answers read the owner's state (the live

@@ -29,7 +29,7 @@ from types import FrameType
 import uvicorn
 
 from corrallm.app import SURFACES, CorrallmApp, settle_garbage_collector
-from corrallm.http.asgi import Receive, Scope, Send
+from corrallm.http.asgi import Receive, Scope, Send, header
 from corrallm.http.bodies import Bodies, BodyLimits
 from corrallm.http.connection import protocol_class
 from corrallm.http.head_guard import HeadGuard, HeadLimits, fds_free, raise_fd_limit
@@ -66,9 +66,7 @@ class WorkerApp(CorrallmApp):
         self._admin_token = brief.admin_token
         self.captures = runtime.captures
         self.captures.also_redact(brief.admin_token)
-        self.lanes_ignored = runtime.lanes_ignored
         self.bodies = Bodies(BodyLimits.from_env(os.environ))
-        self.nonces = lanes.Nonces()
         self.upward = upward
         self._hop_socket = hop
         self._reporting: asyncio.Task[None] | None = None
@@ -76,7 +74,7 @@ class WorkerApp(CorrallmApp):
     def __call__(self, scope: Scope, receive: Receive, send: Send) -> Awaitable[None]:
         kind = scope["type"]
         if kind == "http":
-            if scope["path"] in RELAYED:
+            if scope["path"] in RELAYED and not _forwarded(scope):
                 return self._http(scope, receive, send)
             return self.upward.relay(scope, receive, send)
         if kind == "websocket":
@@ -100,6 +98,14 @@ class WorkerApp(CorrallmApp):
                 await self.pipeline.close()
                 await send({"type": "lifespan.shutdown.complete"})
                 return
+
+
+def _forwarded(scope: Scope) -> bool:
+    """A request another gateway forwarded (it carries a lane, X3) goes up to the owner:
+    a lane's nonce is good once on the whole node (T5), and the worker that receives
+    a replay need not be the one that saw its first use; the owner's `Nonces` is the
+    one memory of them, and its /metrics the one count of lanes ignored."""
+    return header(scope, lanes.LANE) is not None or header(scope, lanes.SIGNATURE) is not None
 
 
 class WorkerServer(uvicorn.Server):

@@ -109,7 +109,7 @@ class Cluster:
         """Every node running and seen up by the gateway."""
         for name, node in list(self.nodes.items()):
             with contextlib.suppress(ProcessLookupError):
-                os.kill(node.proc.pid, signal.SIGCONT)
+                os.killpg(node.proc.pid, signal.SIGCONT)
             if node.proc.poll() is not None:
                 node.records()
                 self.restart(name)
@@ -120,7 +120,7 @@ class Cluster:
     def close(self) -> None:
         for gw in [self.gateway, *self.nodes.values(), *self.old]:
             with contextlib.suppress(ProcessLookupError):
-                os.kill(gw.proc.pid, signal.SIGCONT)  # a node a failed test left stopped
+                os.killpg(gw.proc.pid, signal.SIGCONT)  # a node a failed test left stopped
             cleanup(gw)
 
 
@@ -766,7 +766,9 @@ def test_X4_a_hung_node_is_marked_down_within_peer_timeout(cluster: Cluster, str
     events = Events(g)
     assert events.connected.wait(10)
     stopped = time.monotonic()
-    node.proc.send_signal(signal.SIGSTOP)
+    # The node's whole process group: its workers too, under `serve --workers` (they
+    # would answer for it otherwise); its backends run in sessions of their own.
+    os.killpg(node.proc.pid, signal.SIGSTOP)
     try:
         down = _down_after(g, victim, stopped)
         print(f"\nX4 SIGSTOP ({'stream' if stream else 'call'}): {victim} down after {down:.3f}s")
@@ -783,7 +785,7 @@ def test_X4_a_hung_node_is_marked_down_within_peer_timeout(cluster: Cluster, str
         after = Call(g).result(20)
         assert after.error is None and after.on(survivor), (after.error, after.backends)
     finally:
-        node.proc.send_signal(signal.SIGCONT)
+        os.killpg(node.proc.pid, signal.SIGCONT)
     wait_for(lambda: peer(g, victim)["state"] == "up", 15, what=f"{victim} up after SIGCONT")
     # The events stream told of both moves.
     wait_for(lambda: events.states(victim) == ["down", "up"], 5, what="peer events")

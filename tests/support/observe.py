@@ -79,6 +79,15 @@ def descendants(pid: int) -> list[psutil.Process]:
         return []
 
 
+def relaying_worker(proc: psutil.Process) -> bool:
+    """One of a `serve --workers` owner's relaying workers (corrallm/workers/worker.py),
+    which are its children beside its backends."""
+    try:
+        return "corrallm.workers.worker" in proc.cmdline()
+    except psutil.Error:
+        return False
+
+
 class RawClient:
     """One TCP connection to the gateway, written to and read from byte by byte."""
 

@@ -20,6 +20,7 @@ from typing import TypeVar
 
 import httpx
 import psutil
+import yaml
 
 T = TypeVar("T")
 
@@ -202,6 +203,15 @@ class Gateway(GatewayClient):
         return self.proc.wait(timeout)
 
 
+def _peered(config_text: str) -> bool:
+    """A config with peers, which `serve --workers` refuses (not served yet)."""
+    try:
+        loaded = yaml.safe_load(config_text)
+    except yaml.YAMLError:
+        return False
+    return isinstance(loaded, dict) and bool(loaded.get("peers"))
+
+
 def start_gateway(
     config_text: str,
     tmp: Path,
@@ -224,6 +234,11 @@ def start_gateway(
         "PYTHONUNBUFFERED": "1",
         **(env or {}),
     }
+    if _peered(config_text) and "CORRALLM_WORKERS" not in (env or {}):
+        # Under CORRALLM_WORKERS=2 (the workers tiers) a gateway with peers stays one
+        # process, every node a test starts (tests/integration/test_peers.py starts its
+        # own): `serve --workers` refuses peers. A test that set the count keeps it.
+        full_env["CORRALLM_WORKERS"] = "1"
     with log_path.open("wb") as log:
         proc = subprocess.Popen(
             [

@@ -140,6 +140,19 @@ async def test_S7_admitted_in_the_same_instant_as_cancelled_hands_the_slot_on():
     assert seen == ["cancelled", "on b", (1, 1, 0)]
 
 
+async def test_S1_a_slot_freed_before_a_submitted_wait_first_runs_is_not_lost():
+    # `submit`'s wait runs a loop turn later where the workers' owner runs it (a task of
+    # its own): a release meanwhile admits it all the same, not a future made later.
+    b = route("b")
+    adm, _ = admission(b, max_wait=1.0)
+    first = await adm.acquire("default", None, [[b]])
+    wait = adm.submit("default", None, [[b]])
+    assert not isinstance(wait, Ticket)
+    adm.release(first)  # the core admits the waiter now
+    ticket = await asyncio.wait_for(wait, 0.5)
+    assert [ticket.route.id, adm.core.load("b")] == ["b", (1, 1, 0)]
+
+
 async def test_S7_a_client_that_leaves_the_queue_withdraws_and_takes_no_slot():
     b = route("b")
     adm, _ = admission(b)
