@@ -9,6 +9,7 @@ import os
 import socket
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import uvicorn
 
@@ -18,6 +19,7 @@ from corrallm.config import Config
 from corrallm.config.units import format_size, parse_address
 from corrallm.extras import MissingExtra
 from corrallm.gateway import Gateway
+from corrallm.http.asgi import ASGIApp
 from corrallm.http.bodies import BodyLimits
 from corrallm.http.connection import protocol_class
 from corrallm.http.head_guard import HeadGuard, HeadLimits, fds_free, raise_fd_limit
@@ -139,6 +141,32 @@ def build(
     return dataclasses.replace(served, also=tuple(also))
 
 
+def server_config(app: ASGIApp, limits: HeadLimits, log_level: str, **where: Any) -> uvicorn.Config:
+    """uvicorn's settings for a corrallm process (the gateway, or a `--workers` worker):
+    `where` is the host and port when uvicorn is told them (it serves on sockets bound
+    before anything started either way)."""
+    return uvicorn.Config(
+        app,
+        **where,
+        loop="uvloop",
+        # uvicorn's httptools protocol with a header timeout, a head size limit and a
+        # cap on connections still sending their head (corrallm/http/head_guard.py), a
+        # disconnect hook and a leaner response writer (corrallm/http/connection.py).
+        http=protocol_class(HeadGuard(limits)),
+        lifespan="on",
+        # Said, not guessed: `CorrallmApp.__call__` is a plain function returning the
+        # request's coroutine (one `await` level fewer), which uvicorn's guess would
+        # take for ASGI 2.
+        interface="asgi3",
+        access_log=False,
+        # corrallm never reads the client's address: no X-Forwarded-* rewriting
+        # middleware on every request.
+        proxy_headers=False,
+        log_level=log_level,
+        timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_SECONDS,
+    )
+
+
 def _build(
     config: Config, options: ServeOptions, sock: socket.socket, owns_process: bool
 ) -> Served:
@@ -194,26 +222,6 @@ def _build(
         format_size(event_buffer),
     )
     app = CorrallmApp(gateway, token, options.web_root, bodies, owns_process=owns_process)
-    uvicorn_config = uvicorn.Config(
-        app,
-        host=host,
-        port=port,
-        loop="uvloop",
-        # uvicorn's httptools protocol with a header timeout, a head size limit and a
-        # cap on connections still sending their head (corrallm/http/head_guard.py), a
-        # disconnect hook and a leaner response writer (corrallm/http/connection.py).
-        http=protocol_class(HeadGuard(limits)),
-        lifespan="on",
-        # Said, not guessed: `CorrallmApp.__call__` is a plain function returning the
-        # request's coroutine (one `await` level fewer), which uvicorn's guess would
-        # take for ASGI 2.
-        interface="asgi3",
-        access_log=False,
-        # corrallm never reads the client's address: no X-Forwarded-* rewriting
-        # middleware on every request.
-        proxy_headers=False,
-        log_level="info",
-        timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_SECONDS,
-    )
+    uvicorn_config = server_config(app, limits, "info", host=host, port=port)
     redactor = Redactor(lambda: gateway.captures.secrets.texts)
     return Served(uvicorn.Server(uvicorn_config), gateway, redactor, sock, app)

@@ -31,12 +31,11 @@ import uvicorn
 from corrallm.app import SURFACES, CorrallmApp, settle_garbage_collector
 from corrallm.http.asgi import Receive, Scope, Send, header
 from corrallm.http.bodies import Bodies, BodyLimits
-from corrallm.http.connection import protocol_class
-from corrallm.http.head_guard import HeadGuard, HeadLimits, fds_free, raise_fd_limit
+from corrallm.http.head_guard import HeadLimits, fds_free, raise_fd_limit
 from corrallm.observe.redaction import Redactor, install
 from corrallm.peers import lanes
 from corrallm.proxy.pipeline import Pipeline
-from corrallm.server import GRACEFUL_SHUTDOWN_SECONDS, LOG_FORMAT, listen
+from corrallm.server import LOG_FORMAT, listen, server_config
 from corrallm.workers.hop import HEAD, Kind, encode, frame
 from corrallm.workers.owner import Brief
 from corrallm.workers.remote import RemoteRuntime
@@ -169,17 +168,7 @@ def main(argv: list[str]) -> None:
     runtime.keys.load(*brief.keys)
     app = WorkerApp(runtime, brief, Upward(upward_path), hop)
     listener = listen(brief.addr, reuse_port=True)
-    config = uvicorn.Config(
-        app,
-        loop="uvloop",
-        http=protocol_class(HeadGuard(limits)),
-        lifespan="on",
-        interface="asgi3",
-        access_log=False,
-        proxy_headers=False,
-        log_level="warning",
-        timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_SECONDS,
-    )
+    config = server_config(app, limits, "warning")
     server = WorkerServer(config)
     install(Redactor(lambda: runtime.captures.secrets.texts))
     log.info("worker %d (pid %d) serving on %s", index, os.getpid(), brief.addr)
