@@ -19,7 +19,7 @@ from tests.support.processes import (
     start_gateway,
 )
 
-# CORRALLM_WORKERS=2 (CI runs the integration and fault tiers a second time so): every
+# CORRALLM_WORKERS=2 (`make workers-tiers` runs the integration and fault tiers so): every
 # gateway is a `corrallm serve` process, which reads it from its environment and serves
 # with two relaying workers behind one owner of state (docs/design.md).
 # A config with peers stays one process even so (`start_gateway` sees to it, for every

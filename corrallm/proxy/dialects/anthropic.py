@@ -45,7 +45,7 @@ from corrallm.proxy.forward import (
 )
 from corrallm.proxy.metering import Meter
 from corrallm.proxy.pipeline import Inbound, Pipeline, caller_key, ready
-from corrallm.proxy.relay import SSE, Codec, Mode, held, upstream_error
+from corrallm.proxy.relay import AsSent, Codec, Mode, held, upstream_error
 from corrallm.routing.affinity import session_key
 from corrallm.routing.router import Route
 
@@ -129,33 +129,20 @@ def modes(status: int, kind: str) -> Mode:
     return Mode.REFUSE
 
 
-class AnthropicNative:
+class AnthropicNative(AsSent):
     """An answer from a backend that speaks Anthropic: relayed as it came, in whole
-    events, its usage read by `AnthropicMeter`."""
+    events (`relay.AsSent`), its usage read by `AnthropicMeter`, whole once
+    `message_stop` went out, broken off with Anthropic's error event."""
 
-    __slots__ = ("meter",)
+    __slots__ = ()
 
-    cuttable = True
-    stream_type = SSE
     mode = staticmethod(modes)
 
     def __init__(self) -> None:
-        self.meter: Meter = AnthropicMeter()
-
-    def whole(self, body: bytes, backend: str) -> bytes:
-        return body
-
-    def begin(self) -> bytes:
-        return b""
-
-    def events(self, data: bytes) -> bytes:
-        return data
+        super().__init__(AnthropicMeter())
 
     def done(self, sent: bytes) -> bool:
         return b"message_stop" in sent
-
-    def close(self, tail: bytes) -> bytes:
-        return tail
 
     def fail(self, error: ApiError) -> bytes:
         return error_event(error)
