@@ -34,6 +34,7 @@ from urllib.parse import urlsplit
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import keys
 from overhead import (
     BENCH,
     PROMPT,
@@ -129,12 +130,12 @@ class Counted:
         }
 
 
-def chat(url: str, n: int) -> None:
+def chat(url: str, n: int, more: dict[str, str] | None = None) -> None:
     u = urlsplit(url)
     conn = http.client.HTTPConnection(u.hostname or "127.0.0.1", u.port)
     body = json.dumps({"model": "bench", "messages": PROMPT, "max_tokens": 16})
     for _ in range(n):
-        conn.request("POST", u.path, body, {"Content-Type": "application/json"})
+        conn.request("POST", u.path, body, {"Content-Type": "application/json", **(more or {})})
         answer = conn.getresponse()
         answer.read()
         if answer.status != 200:
@@ -159,6 +160,11 @@ def main() -> None:
     parser.add_argument("--top", type=int, default=20, help="functions listed per load (20)")
     parser.add_argument("--json", action="store_true", help="also print the results as JSON")
     parser.add_argument("--trace", action="store_true", help="telemetry on (a local sink)")
+    parser.add_argument(
+        "--keys",
+        choices=keys.MODES,
+        help="bench/keys.py's policy (1,000 named keys ...): chat completions only, as its caller",
+    )
     args = parser.parse_args()
     nginx = find_nginx()
     if nginx is None:
@@ -180,7 +186,8 @@ def main() -> None:
                 long,
                 launcher=[PY, __file__, "--serve"],
                 more={"bench-short": short},
-                extra_config=start_sink(procs) if args.trace else "",
+                extra_config=(start_sink(procs) if args.trace else "")
+                + (keys.LANE + keys.policy_of(args.keys) if args.keys else ""),
             )
             assert target.pid is not None
             counted = Counted(target.pid, out)
@@ -192,7 +199,7 @@ def main() -> None:
                 bodies[model].write_text(json.dumps(payload))
             url = target.chat_url
             loads = {
-                "chat completion": lambda: chat(url, n),
+                "chat completion": lambda: chat(url, n, keys.headers(args.keys or "no keys")),
                 f"stream, {LONG} tokens": lambda: streams(
                     client, url, bodies["bench-stream"], n, LONG
                 ),
@@ -200,6 +207,8 @@ def main() -> None:
                     client, url, bodies["bench-short"], n, SHORT
                 ),
             }
+            if args.keys:  # the streams' client sends no key
+                loads = {"chat completion": loads["chat completion"]}
             for load in loads.values():
                 load()  # warm-up: connections pooled, first-use paths taken
             results = {name: counted.measure(load, n) for name, load in loads.items()}
@@ -220,17 +229,18 @@ def start_sink(procs: Procs) -> str:
 
 
 def report(results: dict[str, dict[str, Any]], top: int) -> None:
-    long, short = results[f"stream, {LONG} tokens"], results[f"stream, {SHORT} tokens"]
-    chunk = (long["opcodes"] - short["opcodes"]) / (LONG - SHORT)
-    chunk_calls = (long["calls"] - short["calls"]) / (LONG - SHORT)
     print("| load | opcodes / request | Python calls / request |")
     print("|---|---:|---:|")
     for name, r in results.items():
         print(f"| {name} | {r['opcodes']:.0f} | {r['calls']:.1f} |")
-    print(
-        f"| a relayed chunk ({LONG}-token less {SHORT}-token stream) | {chunk:.0f} | "
-        f"{chunk_calls:.1f} |"
-    )
+    long, short = results.get(f"stream, {LONG} tokens"), results.get(f"stream, {SHORT} tokens")
+    if long and short:
+        chunk = (long["opcodes"] - short["opcodes"]) / (LONG - SHORT)
+        chunk_calls = (long["calls"] - short["calls"]) / (LONG - SHORT)
+        print(
+            f"| a relayed chunk ({LONG}-token less {SHORT}-token stream) | {chunk:.0f} | "
+            f"{chunk_calls:.1f} |"
+        )
     for name, r in results.items():
         print(f"\n{name}: top functions (opcodes per request)\n")
         for f in r["top"][:top]:

@@ -39,6 +39,12 @@ CONCURRENT_RETRY = 1.0  # a held request may end any moment: ask again after thi
 
 Rule = Literal["rpm", "tpm", "concurrent"]
 
+# OpenAI's names for what a limited key has left (on every answer to it)
+LIMIT_REQUESTS = b"x-ratelimit-limit-requests"
+REMAINING_REQUESTS = b"x-ratelimit-remaining-requests"
+LIMIT_TOKENS = b"x-ratelimit-limit-tokens"
+REMAINING_TOKENS = b"x-ratelimit-remaining-tokens"
+
 
 @dataclass(frozen=True, slots=True)
 class Ask:
@@ -61,15 +67,6 @@ class LimitRefusal:
 # Made once or twice per request of a key with limits: plain slotted classes (a frozen
 # dataclass pays an object.__setattr__ per field, measurable on the hot path).
 @dataclass(slots=True)
-class Hold:
-    """An admitted request's place in its subjects' windows, until released."""
-
-    subjects: tuple[str, ...]
-    tokens: int  # the estimate it reserved
-    at: float  # when it was admitted
-
-
-@dataclass(slots=True)
 class Remaining:
     """What the tightest subject has left (the x-ratelimit-* headers); None: no such limit."""
 
@@ -82,12 +79,29 @@ class Remaining:
         """OpenAI's header names, for the limits there are."""
         out: list[tuple[bytes, bytes]] = []
         if self.limit_requests is not None and self.requests is not None:
-            out.append((b"x-ratelimit-limit-requests", b"%d" % self.limit_requests))
-            out.append((b"x-ratelimit-remaining-requests", b"%d" % self.requests))
+            out += (
+                (LIMIT_REQUESTS, b"%d" % self.limit_requests),
+                (REMAINING_REQUESTS, b"%d" % self.requests),
+            )
         if self.limit_tokens is not None and self.tokens is not None:
-            out.append((b"x-ratelimit-limit-tokens", b"%d" % self.limit_tokens))
-            out.append((b"x-ratelimit-remaining-tokens", b"%d" % self.tokens))
+            out += (
+                (LIMIT_TOKENS, b"%d" % self.limit_tokens),
+                (REMAINING_TOKENS, b"%d" % self.tokens),
+            )
         return out
+
+
+@dataclass(slots=True)
+class Hold:
+    """An admitted request's place in its subjects' windows, until released: what it
+    reserved, what was left after it (its x-ratelimit-* headers), and its rows in a
+    shared store (none when counted in memory)."""
+
+    subjects: tuple[str, ...]
+    tokens: int  # the estimate it reserved
+    at: float  # when it was admitted
+    headers: list[tuple[bytes, bytes]] = field(default_factory=list)  # `Remaining.headers`
+    rows: Sequence[int] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -172,6 +186,7 @@ def tightest(limits: Sequence[tuple[RateLimits, Counts]]) -> Remaining:
 # entries a minute, not an object per request kept for 60 s (about 35 MB a key at 5,000
 # requests a second).
 GRAIN = 0.01
+INF = float("inf")
 
 
 @dataclass(slots=True)
@@ -186,22 +201,37 @@ class Window:
     used: int = 0  # the tokens in `spent`
     reserved: int = 0  # estimates of the requests not settled yet
     held: int = 0
+    # Nothing leaves the window before this time: until then `expire` is one comparison
+    # (it is asked on every request of the key).
+    due: float = INF
 
     def admit(self, now: float) -> None:
         self.admitted += 1
-        _add(self.requests, now, 1)
+        self.add(self.requests, now, 1)
 
-    def settle(self, now: float, tokens: int) -> None:
-        self.used += tokens
-        _add(self.spent, now, tokens)
+    def add(self, entries: deque[list[float]], now: float, n: int) -> None:
+        """`n` requests (or tokens) into `requests` (or `spent`), at `now`."""
+        if entries:
+            last = entries[-1]
+            if now - last[0] < GRAIN:
+                if now > last[1]:
+                    last[1] = now
+                last[2] += n
+                return
+        elif now + WINDOW < self.due:  # the oldest entry now: it leaves first
+            self.due = now + WINDOW
+        entries.append([now, now, n])
 
     def expire(self, now: float) -> None:
+        if now < self.due:
+            return
         edge = now - WINDOW
         requests, spent = self.requests, self.spent
         while requests and requests[0][1] <= edge:
             self.admitted -= int(requests.popleft()[2])
         while spent and spent[0][1] <= edge:
             self.used -= int(spent.popleft()[2])
+        self.due = min(requests[0][1] if requests else INF, spent[0][1] if spent else INF) + WINDOW
 
     def counts(self) -> Counts:
         return Counts(self.admitted, self.used + self.reserved, self.held)
@@ -230,15 +260,6 @@ class Window:
     @property
     def idle(self) -> bool:
         return not (self.requests or self.spent or self.reserved or self.held)
-
-
-def _add(entries: deque[list[float]], now: float, n: int) -> None:
-    last = entries[-1] if entries else None
-    if last is not None and now - last[0] < GRAIN:
-        last[1] = max(last[1], now)
-        last[2] += n
-    else:
-        entries.append([now, now, n])
 
 
 class Limiter:
@@ -294,11 +315,48 @@ class Limiter:
         refused = self.judge(asks, estimate, now)
         return refused if refused is not None else self.take(asks, estimate, now)
 
-    def counted(
-        self, asks: Sequence[Ask], estimate: int, now: float
-    ) -> tuple[Hold, Remaining] | LimitRefusal:
-        """`admit` and `remaining` after it, in one pass over the windows: the hot path of
-        a key with limits (the same rules as `breach`; a refusal is judged by `judge`)."""
+    def counted(self, asks: Sequence[Ask], estimate: int, now: float) -> Hold | LimitRefusal:
+        """`admit`, with what is left after it (`remaining`) on the hold, in one pass over
+        the windows: the hot path of a key with limits (the same rules as `breach`; a
+        refusal is judged by `judge`). Most requests ask one subject, their key: that
+        case takes no list and no loop."""
+        if len(asks) != 1:
+            return self._counted(asks, estimate, now)
+        ask = asks[0]
+        limits = ask.limits
+        tpm, rpm, concurrent = limits.tpm, limits.rpm, limits.concurrent
+        window = self._windows.get(ask.subject)
+        if window is None:
+            window = Window()
+        elif now >= window.due:
+            window.expire(now)
+        tokens = window.used + window.reserved + estimate
+        if (
+            (tpm is not None and tokens > tpm)
+            or (concurrent is not None and window.held >= concurrent)
+            or (rpm is not None and window.admitted >= rpm)
+        ):
+            return self._refused(asks, estimate, now)
+        self._windows[ask.subject] = window
+        window.admitted += 1
+        window.add(window.requests, now, 1)
+        window.reserved += estimate
+        window.held += 1
+        headers: list[tuple[bytes, bytes]] = []  # Remaining(...).headers(), an object less
+        if rpm is not None:
+            headers += (
+                (LIMIT_REQUESTS, b"%d" % rpm),
+                (REMAINING_REQUESTS, b"%d" % max(0, rpm - window.admitted)),
+            )
+        if tpm is not None:
+            headers += (
+                (LIMIT_TOKENS, b"%d" % tpm),
+                (REMAINING_TOKENS, b"%d" % max(0, tpm - tokens)),
+            )
+        return Hold((ask.subject,), estimate, now, headers)
+
+    def _counted(self, asks: Sequence[Ask], estimate: int, now: float) -> Hold | LimitRefusal:
+        """`counted` for a request counted in several subjects (a key and its user)."""
         windows = []
         for ask in asks:
             window = self._windows.get(ask.subject)
@@ -313,9 +371,7 @@ class Limiter:
                 or (concurrent is not None and window.held >= concurrent)
                 or (rpm is not None and window.admitted >= rpm)
             ):
-                refused = self.judge(asks, estimate, now)
-                assert refused is not None, "the same rules as breach()"
-                return refused
+                return self._refused(asks, estimate, now)
             windows.append(window)
         requests: tuple[int, int] | None = None  # (left, limit) in the tightest subject
         tokens: tuple[int, int] | None = None
@@ -331,13 +387,18 @@ class Limiter:
             if limits.tpm is not None:
                 left = (max(0, limits.tpm - window.used - window.reserved), limits.tpm)
                 tokens = left if tokens is None or left < tokens else tokens
-        hold = Hold(tuple([a.subject for a in asks]), estimate, now)
-        return hold, Remaining(
+        remaining = Remaining(
             requests[1] if requests else None,
             requests[0] if requests else None,
             tokens[1] if tokens else None,
             tokens[0] if tokens else None,
         )
+        return Hold(tuple([a.subject for a in asks]), estimate, now, remaining.headers())
+
+    def _refused(self, asks: Sequence[Ask], estimate: int, now: float) -> LimitRefusal:
+        refused = self.judge(asks, estimate, now)
+        assert refused is not None, "the same rules as breach()"
+        return refused
 
     def release(self, hold: Hold, used: int, now: float) -> None:
         """The request is over: its metered tokens replace its estimate, its place is free."""
@@ -349,9 +410,11 @@ class Limiter:
             window.held -= 1
             window.reserved -= hold.tokens
             if used > 0:
-                window.settle(now, used)
-            window.expire(now)
-            if window.idle:
+                window.used += used
+                window.add(window.spent, now, used)
+            if now >= window.due:
+                window.expire(now)
+            if not window.held and window.idle:
                 del windows[subject]
 
     def _held(self, hold: Hold) -> Iterator[tuple[str, Window]]:

@@ -53,8 +53,10 @@ def asks_of(identity: Identity | None, user: str | None) -> tuple[Ask, ...]:
     and its `perUser` limits for the user behind it (T4); () when it has none."""
     if identity is None or identity.limits is None:
         return ()
+    if user is None:
+        return identity.asks
     per_user = identity.limits.per_user
-    if user is None or not limited(per_user):
+    if not limited(per_user):
         return identity.asks
     assert per_user is not None
     return (*identity.asks, Ask(f"key:{identity.name}/user:{user}", per_user))
@@ -69,15 +71,6 @@ class Peek:
 
     def headers(self) -> list[tuple[bytes, bytes]]:
         return self.throttle.peek(self.asks).headers()
-
-
-@dataclass(slots=True)
-class Pass:
-    """An admitted request: its place here, and its rows in a shared store."""
-
-    hold: Hold
-    remaining: Remaining  # after this request: for the x-ratelimit-* headers
-    rows: Sequence[int] = ()  # its rows in a shared store (none in memory)
 
 
 class Throttle:
@@ -102,7 +95,7 @@ class Throttle:
 
     def admit_now(
         self, asks: Sequence[Ask], estimate: int
-    ) -> Pass | tuple[LimitRefusal, Remaining] | None:
+    ) -> Hold | tuple[LimitRefusal, Remaining] | None:
         """The verdict in memory, where no shared store counts these asks: no coroutine,
         no I/O (the hot path). None: `admit` must ask the shared store."""
         now = time.time()
@@ -112,21 +105,24 @@ class Throttle:
             and any(a.limits.rpm is not None or a.limits.tpm is not None for a in asks)
         ):
             return None
-        return self._local(asks, estimate, now)
+        verdict = self.core.counted(asks, estimate, now)  # `_local`, a call less
+        if isinstance(verdict, LimitRefusal):
+            return verdict, self.core.remaining(asks, now)
+        return verdict
 
     def _local(
         self, asks: Sequence[Ask], estimate: int, now: float
-    ) -> Pass | tuple[LimitRefusal, Remaining]:
+    ) -> Hold | tuple[LimitRefusal, Remaining]:
         verdict = self.core.counted(asks, estimate, now)
         if isinstance(verdict, LimitRefusal):
             return verdict, self.core.remaining(asks, now)
-        return Pass(*verdict)
+        return verdict
 
     async def admit(
         self, asks: Sequence[Ask], estimate: int
-    ) -> Pass | tuple[LimitRefusal, Remaining]:
+    ) -> Hold | tuple[LimitRefusal, Remaining]:
         """Count one request of `estimate` tokens in each subject if all have room: its
-        `Pass`, else why not (and what is left)."""
+        `Hold`, else why not (and what is left)."""
         now = time.time()
         rates = any(a.limits.rpm is not None or a.limits.tpm is not None for a in asks)
         shared = self.shared is not None and rates and now >= self._fallback_until
@@ -144,7 +140,8 @@ class Throttle:
         if got is not None:
             outcome, remaining = got
             if not isinstance(outcome, LimitRefusal):
-                return Pass(hold, remaining, outcome)
+                hold.headers, hold.rows = remaining.headers(), outcome
+                return hold
             self.core.cancel(hold, now)
             return outcome, remaining
         # The store failed: this gateway's own windows decide (this request taken back
@@ -201,11 +198,11 @@ class Throttle:
             )
             return None
 
-    def release(self, admitted: Pass, tokens: int) -> None:
+    def release(self, admitted: Hold, tokens: int) -> None:
         """The request is over: its metered tokens replace its estimate (here, and in the
         shared store through the batched writer)."""
         now = time.time()
-        self.core.release(admitted.hold, tokens, now)
+        self.core.release(admitted, tokens, now)
         for row in admitted.rows:
             self.settlements.settle(row, tokens, now)
         if now - self._swept >= SWEEP_SECONDS:

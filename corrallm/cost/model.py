@@ -58,6 +58,8 @@ class CostModel:
     def __init__(self, config: Config) -> None:
         self._classes = config.command_costs
         self._per_kwh = config.cost_per_kwh
+        # Backend types whose usage is metered in bytes, not tokens (asked per request).
+        self._audio = frozenset(t for t, c in self._classes.items() if c.modality == "audio")
 
     def cost_class(self, backend: BackendConfig) -> CommandCost | None:
         return self._classes.get(backend.type)
@@ -67,8 +69,7 @@ class CostModel:
         return backend.pricing is not None or (cls is not None and cls.paid)
 
     def audio(self, backend: BackendConfig) -> bool:
-        cls = self.cost_class(backend)
-        return cls is not None and cls.modality == "audio"
+        return backend.type in self._audio
 
     def request(self, backend: BackendConfig, m: Metered) -> Price:
         if self.paid(backend):

@@ -32,9 +32,9 @@ import aiohttp
 from corrallm.auth.callers import Caller, trusts_user, user_named
 from corrallm.auth.keys import Identity
 from corrallm.auth.keys import RevokedSecret as Refused
+from corrallm.auth.limits import Hold, Remaining
 from corrallm.auth.limits import LimitRefusal as LimitRefused
-from corrallm.auth.limits import Remaining
-from corrallm.auth.throttle import Pass, asks_of
+from corrallm.auth.throttle import asks_of
 from corrallm.config.schema import BackendConfig as Backend
 from corrallm.cost.ledger import UNKNOWN_MODEL, Visit
 from corrallm.http.asgi import Headers, Scope, header
@@ -390,10 +390,10 @@ class Pipeline:
         # T3: the key's (and its user's) rate limits, held until the request is over,
         # whatever ends it (released in `finally`). In memory no coroutine of its own:
         # every await level is walked again at each resume of the request (app.py).
-        limits: Pass | None = None
+        limits: Hold | None = None
         if identity is not None and identity.limits is not None:
             got = self._rate_limits(flight, identity, tiers[0][0].config)
-            limits = got if got is None or isinstance(got, Pass) else await got
+            limits = got if got is None or isinstance(got, Hold) else await got
         ticket: Ticket | None = None
         try:
             key_limit = identity.spend_limit if identity is not None else None
@@ -534,11 +534,12 @@ class Pipeline:
 
     def _rate_limits(
         self, flight: _Flight, identity: Identity, backend: Backend
-    ) -> Pass | Awaitable[Pass] | None:
+    ) -> Hold | Awaitable[Hold] | None:
         """T3: admit the request in its key's (and user's) windows, or refuse it (429
         `rate_limited`); the counts after it go on the answer. Decided at once in memory;
         an awaitable for the round trip to a shared store."""
-        asks = asks_of(identity, flight.visit.user)
+        user = flight.visit.user
+        asks = identity.asks if user is None else asks_of(identity, user)
         if not asks:
             return None
         throttle = self.runtime.throttle
@@ -549,7 +550,7 @@ class Pipeline:
         if verdict is not None:
             return _passed(identity, verdict)
 
-        async def shared() -> Pass:
+        async def shared() -> Hold:
             return _passed(identity, await throttle.admit(asks, estimate))
 
         return shared()
@@ -685,14 +686,14 @@ async def enter_ready(route: Route, cause: Cause | None = None) -> None:
 MAX_PEER_FAILURES = 3
 
 
-def _passed(identity: Identity, verdict: Pass | tuple[LimitRefused, Remaining]) -> Pass:
+def _passed(identity: Identity, verdict: Hold | tuple[LimitRefused, Remaining]) -> Hold:
     """The request's place in its windows, its counts put on the answer; or 429."""
     exchange = CURRENT.get()
-    if not isinstance(verdict, Pass):
+    if not isinstance(verdict, Hold):
         refused, remaining = verdict
         if exchange is not None:
             exchange.headers = remaining.headers()
         raise rate_limited(identity.name, refused)
     if exchange is not None:
-        exchange.headers = verdict.remaining.headers()
+        exchange.headers = verdict.headers
     return verdict

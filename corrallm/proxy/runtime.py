@@ -17,8 +17,7 @@ from typing import TYPE_CHECKING, Literal, Protocol
 
 if TYPE_CHECKING:
     from corrallm.auth.callers import Caller
-    from corrallm.auth.limits import Ask, LimitRefusal, Remaining
-    from corrallm.auth.throttle import Pass
+    from corrallm.auth.limits import Ask, Hold, LimitRefusal, Remaining
     from corrallm.config.schema import BackendConfig, Config, PriorityGroup, SpendLimit
     from corrallm.cost.ledger import OverSpend, Visit
     from corrallm.cost.model import CostModel, Price
@@ -87,13 +86,13 @@ class Limits(Protocol):
 
     def admit_now(
         self, asks: Sequence[Ask], estimate: int
-    ) -> Pass | tuple[LimitRefusal, Remaining] | None: ...
+    ) -> Hold | tuple[LimitRefusal, Remaining] | None: ...
 
     async def admit(
         self, asks: Sequence[Ask], estimate: int
-    ) -> Pass | tuple[LimitRefusal, Remaining]: ...
+    ) -> Hold | tuple[LimitRefusal, Remaining]: ...
 
-    def release(self, admitted: Pass, tokens: int) -> None: ...
+    def release(self, admitted: Hold, tokens: int) -> None: ...
 
 
 class Live(Protocol):

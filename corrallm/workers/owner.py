@@ -25,7 +25,8 @@ from collections.abc import Awaitable, Coroutine, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from corrallm.auth.throttle import Pass, asks_of
+from corrallm.auth.limits import Hold
+from corrallm.auth.throttle import asks_of
 from corrallm.cost.ledger import Visit
 from corrallm.cost.model import Metered
 from corrallm.http.errors import ApiError, not_found, quoted
@@ -123,7 +124,7 @@ class Held:
         self.stop = RemoteStop(self)
         self.ticket: Ticket | None = None  # the slot it holds
         self.entered: Endpoint | None = None  # the backend it is counted in flight on
-        self.limits: Pass | None = None  # T3: its place in its key's windows
+        self.limits: Hold | None = None  # T3: its place in its key's windows
         self.passed = False  # its limits and spend were checked (once, however routed)
         self.headers: list[tuple[str, str]] | None = None  # T3: x-ratelimit-* for the answer
         self.task: asyncio.Task[None] | None = None  # an acquire that waits (kept alive)
@@ -284,13 +285,13 @@ class WorkerLink(Link):
                 verdict = gw.throttle.admit_now(asks, estimate)
                 if verdict is None:
                     verdict = await gw.throttle.admit(asks, estimate)
-                if not isinstance(verdict, Pass):
+                if not isinstance(verdict, Hold):
                     refused, remaining = verdict
                     held.headers = _text(remaining.headers())
                     self.owner.counts(asks, held.headers)
                     raise rate_limited(identity.name, refused)
                 held.limits = verdict
-                held.headers = _text(verdict.remaining.headers())
+                held.headers = _text(verdict.headers)
                 self.owner.counts(asks, held.headers)
         key_limit = identity.spend_limit if identity is not None else None
         over = await gw.ledger.reserve(visit, first.config, held.limit, key_limit)

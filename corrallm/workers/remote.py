@@ -24,7 +24,6 @@ from typing import Any
 from corrallm.auth.callers import Caller, Callers
 from corrallm.auth.keys import KeyRing
 from corrallm.auth.limits import Ask, Hold, LimitRefusal, Remaining
-from corrallm.auth.throttle import Pass
 from corrallm.config import Config
 from corrallm.config.schema import BackendConfig, PriorityGroup, SpendLimit, TelemetryConfig
 from corrallm.cost.ledger import OverSpend, Visit, price_of
@@ -270,7 +269,7 @@ class RemoteSpend:
 
 # T3: counted by the owner as part of `ACQUIRE` (its answer carries the counts for the
 # x-ratelimit-* headers); the pipeline's pass here holds nothing.
-_COUNTED_THERE = Pass(Hold((), 0, 0.0), Remaining())
+_COUNTED_THERE = Hold((), 0, 0.0)
 
 
 class _Heard:
@@ -292,15 +291,15 @@ class RemoteLimits:
 
     def admit_now(
         self, asks: Sequence[Ask], estimate: int
-    ) -> Pass | tuple[LimitRefusal, Remaining] | None:
+    ) -> Hold | tuple[LimitRefusal, Remaining] | None:
         return _COUNTED_THERE
 
     async def admit(
         self, asks: Sequence[Ask], estimate: int
-    ) -> Pass | tuple[LimitRefusal, Remaining]:
+    ) -> Hold | tuple[LimitRefusal, Remaining]:
         return _COUNTED_THERE
 
-    def release(self, admitted: Pass, tokens: int) -> None:
+    def release(self, admitted: Hold, tokens: int) -> None:
         return None  # the owner releases it with the request's DONE
 
 
