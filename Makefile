@@ -38,7 +38,7 @@ unit integration e2e: $(VENV)/.installed-dev
 # with two relaying workers behind one owner of state (docs/design.md, "More than one
 # core"; a config with peers stays one process: tests/conftest.py).
 workers-tiers: $(VENV)/.installed-dev
-	CORRALLM_WORKERS=2 $(BIN)/pytest -n $(TEST_JOBS) tests/integration tests/faults
+	CORRALLM_WORKERS=2 $(BIN)/pytest -n $(TEST_JOBS) $(PYTEST_DIST) tests/integration tests/faults
 
 bench: $(VENV)/.installed-dev
 	$(BIN)/python bench/overhead.py

@@ -8,7 +8,7 @@ and a dict lookup.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from corrallm.auth.keys import UNKNOWN, Identity, KeyRing, RevokedSecret, digest_of
 from corrallm.config import Config
@@ -23,6 +23,10 @@ class Caller:
     known: bool  # a configured (or runtime) key, or a lane a peer signed (X3)
     identity: Identity | None = None
     refused: RevokedSecret | None = None  # a secret revoked or rotated away (T2): always 401
+    # T3: the key's allowlist verdict per served model, decided once: a caller lives as
+    # long as the config and keys it was made under (`Callers` makes new ones after a
+    # change), and only served models' names are asked, so it holds a few entries.
+    allowed: dict[str, bool] = field(default_factory=dict, compare=False, repr=False)
 
 
 class Callers:

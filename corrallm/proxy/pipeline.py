@@ -241,7 +241,10 @@ class Pipeline:
         identity = caller.identity
         if identity is None or not identity.models:
             return
-        if identity.allows(names_of(served)):
+        verdict = caller.allowed.get(served.name)
+        if verdict is None:
+            verdict = caller.allowed[served.name] = identity.allows(names_of(served))
+        if verdict:
             return
         allowed = [
             s.name

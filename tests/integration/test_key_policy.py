@@ -96,6 +96,22 @@ def test_T3_the_allowlist_is_enforced_on_every_surface_and_in_the_models_list(gw
     assert {"forbidden", "other", "qwen-small", "slow", "paid"} <= everyone
 
 
+def test_T3_an_allowlist_changed_by_a_reload_is_in_force_at_once(gw):
+    """A key's verdict per model is decided once per config: a reload that widens (or
+    narrows) its allowlist applies from the next request."""
+    picky = client(gw, "sk-picky")
+    with pytest.raises(openai.PermissionDeniedError):
+        picky.chat.completions.create(model="forbidden", messages=HI)
+    assert picky.chat.completions.create(model="qwen-small", messages=HI).choices
+    assert gw.config_path is not None
+    text = gw.config_path.read_text()
+    gw.config_path.write_text(text.replace('models: ["qwen*", chat]', "models: [forbid*]"))
+    assert gw.api("POST", "config/reload").status_code == 200
+    assert picky.chat.completions.create(model="forbidden", messages=HI).choices
+    with pytest.raises(openai.PermissionDeniedError):
+        picky.chat.completions.create(model="qwen-small", messages=HI)
+
+
 def test_T3_rpm_refuses_with_retry_after_and_every_answer_carries_the_counts(gw):
     limited = client(gw, "sk-limited").with_options(max_retries=0)
     stream = limited.chat.completions.with_raw_response.create(
