@@ -61,6 +61,12 @@ LLAMA_MAX_TOKENS = 4
 # --- processes ------------------------------------------------------------------------------
 
 
+def cpu_seconds(pid: int) -> float:
+    """The user and system CPU time process `pid` has used (all its threads)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / CLK_TCK
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

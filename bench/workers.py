@@ -35,16 +35,12 @@ from overhead import (
     PROMPT,
     PY,
     Procs,
+    cpu_seconds,
     find_nginx,
     free_port,
     session_usage,
     start_static_upstream,
 )
-
-
-def cpu_seconds(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / CLK_TCK
 
 
 def _thread_seconds(pid: int, tid: int) -> float:

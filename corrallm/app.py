@@ -466,7 +466,7 @@ def _answering(send: Send, exchange: Exchange) -> Send:
             exchange.answered = True
             extra = exchange.headers
             if extra is None and exchange.counts is not None:
-                extra = exchange.counts.headers()  # answered before its limits counted it
+                extra = exchange.counts()  # answered before its limits counted it
             headers = [*message.get("headers", ()), (HEADER, rid), *(extra or ())]
             message = {**message, "headers": headers}
             if capture is not None:

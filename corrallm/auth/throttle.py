@@ -20,7 +20,6 @@ import os
 import socket
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 from corrallm.auth.keys import Identity
 from corrallm.auth.limits import (
@@ -62,17 +61,6 @@ def asks_of(identity: Identity | None, user: str | None) -> tuple[Ask, ...]:
     return (*identity.asks, Ask(f"key:{identity.name}/user:{user}", per_user))
 
 
-@dataclass(slots=True)
-class Peek:
-    """A key's counts, read only when an answer that did not count it starts."""
-
-    throttle: Throttle
-    asks: Sequence[Ask]
-
-    def headers(self) -> list[tuple[bytes, bytes]]:
-        return self.throttle.peek(self.asks).headers()
-
-
 class Throttle:
     def __init__(self, store: Store) -> None:
         self.core = Limiter()
@@ -89,9 +77,10 @@ class Throttle:
         403 or 404). This gateway's own count (no round trip on a shared store)."""
         return self.core.remaining(asks, time.time())
 
-    def counts(self, asks: Sequence[Ask]) -> Peek:
-        """The counts an answer given before the limits were asked reports (read then)."""
-        return Peek(self, asks)
+    def counts(self, identity: Identity, user: str | None) -> list[tuple[bytes, bytes]]:
+        """The x-ratelimit-* headers of an answer given before the key's limits counted
+        its request (a 400, 403 or 404): its counts as they are when it starts."""
+        return self.peek(asks_of(identity, user)).headers()
 
     def admit_now(
         self, asks: Sequence[Ask], estimate: int

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import itertools
 import secrets
-from collections.abc import MutableMapping
+from collections.abc import Callable, MutableMapping
 from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
@@ -58,12 +58,9 @@ class Exchange:
     # x-ratelimit-* counts); the app's send wrapper puts them there.
     headers: list[tuple[bytes, bytes]] | None = None
     # T3: a key with limits whose request was answered before they counted it (a 400,
-    # 403, 404...): its counts as they are, read only if such an answer starts.
-    counts: LimitCounts | None = None
-
-
-class LimitCounts(Protocol):
-    def headers(self) -> list[tuple[bytes, bytes]]: ...
+    # 403, 404...): its counts as they are, read only if such an answer starts (a
+    # `functools.partial`, made in C: nothing is read for the requests that are counted).
+    counts: Callable[[], list[tuple[bytes, bytes]]] | None = None
 
 
 CURRENT: ContextVar[Exchange | None] = ContextVar("corrallm_exchange", default=None)

@@ -24,6 +24,7 @@ import asyncio
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from typing import TYPE_CHECKING, cast
 from urllib.parse import urlsplit
 
@@ -214,9 +215,7 @@ class Pipeline:
             exchange.user = self.user_of(scope, caller)  # T4, before its limits are read
         identity = caller.identity
         if exchange is not None and identity is not None and identity.limits is not None:
-            asks = asks_of(identity, exchange.user)
-            if asks:  # read only if it is answered before its limits count it
-                exchange.counts = self.runtime.throttle.counts(asks)
+            exchange.counts = partial(self.runtime.throttle.counts, identity, exchange.user)
         return caller
 
     def user_of(self, scope: Scope, caller: Caller) -> str | None:
@@ -265,7 +264,7 @@ class Pipeline:
         if caller.refused is not None:  # T2: refused whatever requireKeys says
             raise key_refused(caller.refused)
         identity = caller.identity
-        if identity is not None and identity.expired(time.time()):
+        if identity is not None and identity.expires is not None and identity.expired(time.time()):
             raise ApiError(
                 401,
                 f"The API key '{identity.name}' has expired; ask the gateway's operator "

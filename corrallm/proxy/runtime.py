@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Literal, Protocol
 
 if TYPE_CHECKING:
     from corrallm.auth.callers import Caller
+    from corrallm.auth.keys import Identity
     from corrallm.auth.limits import Ask, Hold, LimitRefusal, Remaining
     from corrallm.config.schema import BackendConfig, Config, PriorityGroup, SpendLimit
     from corrallm.cost.ledger import OverSpend, Visit
@@ -75,14 +76,10 @@ class Spend(Protocol):
     def price(self, visit: Visit) -> Price: ...
 
 
-class RateCounts(Protocol):
-    def headers(self) -> list[tuple[bytes, bytes]]: ...
-
-
 class Limits(Protocol):
     """Per-key rate windows (auth/throttle.py's `Throttle`)."""
 
-    def counts(self, asks: Sequence[Ask]) -> RateCounts: ...
+    def counts(self, identity: Identity, user: str | None) -> list[tuple[bytes, bytes]]: ...
 
     def admit_now(
         self, asks: Sequence[Ask], estimate: int

@@ -22,8 +22,9 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from corrallm.auth.callers import Caller, Callers
-from corrallm.auth.keys import KeyRing
+from corrallm.auth.keys import Identity, KeyRing
 from corrallm.auth.limits import Ask, Hold, LimitRefusal, Remaining
+from corrallm.auth.throttle import asks_of
 from corrallm.config import Config
 from corrallm.config.schema import BackendConfig, PriorityGroup, SpendLimit, TelemetryConfig
 from corrallm.cost.ledger import OverSpend, Visit, price_of
@@ -272,22 +273,14 @@ class RemoteSpend:
 _COUNTED_THERE = Hold((), 0, 0.0)
 
 
-class _Heard:
-    def __init__(self, headers: list[tuple[bytes, bytes]]) -> None:
-        self._headers = headers
-
-    def headers(self) -> list[tuple[bytes, bytes]]:
-        return self._headers
-
-
 class RemoteLimits:
     def __init__(self) -> None:
         # The counts the owner last sent for each set of subjects (`COUNTS`).
         self.heard: dict[tuple[str, ...], list[tuple[bytes, bytes]]] = {}
 
-    def counts(self, asks: Sequence[Ask]) -> _Heard:
+    def counts(self, identity: Identity, user: str | None) -> list[tuple[bytes, bytes]]:
         """An answer refused before the limits were asked: the counts last heard."""
-        return _Heard(self.heard.get(tuple(a.subject for a in asks), []))
+        return self.heard.get(tuple(a.subject for a in asks_of(identity, user)), [])
 
     def admit_now(
         self, asks: Sequence[Ask], estimate: int
