@@ -159,6 +159,12 @@ def main() -> None:
     parser.add_argument("--top", type=int, default=20, help="functions listed per load (20)")
     parser.add_argument("--json", action="store_true", help="also print the results as JSON")
     parser.add_argument("--trace", action="store_true", help="telemetry on (a local sink)")
+    parser.add_argument(
+        "--workers",
+        type=int,
+        default=1,
+        help="serve --workers N: counts the owner's event loop (1: the one process)",
+    )
     args = parser.parse_args()
     nginx = find_nginx()
     if nginx is None:
@@ -181,7 +187,10 @@ def main() -> None:
                 launcher=[PY, __file__, "--serve"],
                 more={"bench-short": short},
                 extra_config=start_sink(procs) if args.trace else "",
+                workers=args.workers,
             )
+            if args.workers > 1:
+                time.sleep(1.0)  # every worker joined (health needs only one)
             assert target.pid is not None
             counted = Counted(target.pid, out)
             client = tools["stream_client"]

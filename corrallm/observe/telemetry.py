@@ -11,8 +11,8 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 
-from corrallm.auth.keys import UNKNOWN
-from corrallm.cost.ledger import UNKNOWN_MODEL, Ledger, Visit
+from corrallm.cost.ledger import Ledger, Visit, settlement
+from corrallm.cost.model import Price
 from corrallm.lifecycle.state import State
 from corrallm.lifecycle.supervisor import Supervisor
 from corrallm.lifecycle.transitions import Transitions
@@ -41,14 +41,16 @@ class Telemetry:
 
     def settle(self, visit: Visit) -> None:
         """A request is over: its cost, spend and activity row (no I/O: rows are batched)."""
-        if visit.model == UNKNOWN_MODEL and visit.key in (None, UNKNOWN):
-            # T5: a caller nobody configured asked for a model nobody serves (a flood of
-            # made-up names, perhaps): counted under bounded metric labels, nothing kept.
-            # It reserved nothing and reached no backend: there is nothing to settle.
-            self.metrics.visit(visit, 0.0, 0.0)
-            return
-        price = self.ledger.settle(visit)
+        price, row = settlement(self.ledger.costs, visit)
         self.metrics.visit(visit, price.cost_usd, price.energy_wh)
+        if row is not None:
+            self.ledger.activity.add(row)
+            self.charge(visit, price)
+
+    def charge(self, visit: Visit, price: Price) -> None:
+        """A settled visit's spend and its usage event, once its row is written (here, or
+        by the relaying worker that served it, which counted its metrics too)."""
+        self.ledger.charge(visit.group, visit.key, visit.holds, price.cost_usd)
         if self.events.subscribers:
             m = visit.metered
             self.events.publish(

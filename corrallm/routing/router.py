@@ -87,6 +87,10 @@ class ServedModel:
         (X1); the caller checks that a local backend exists. With nothing available at
         all, the primary (local) answers, so the caller hears why.
         """
+        if len(self.routes) == 1:
+            # What the lists below come to for one backend, whatever its state (perf,
+            # SPEC §13: most models have one, and this is asked of every request).
+            return [[self.primary]]
         quality = self.primary.config.quality
         usable = [
             [r for r in tier if r.endpoint.available() and not (local_only and r.config.peer)]

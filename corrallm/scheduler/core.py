@@ -163,7 +163,8 @@ class Scheduler:
         group.admitted_sum -= running.admitted
         held = now - running.admitted
         backend.service = _average(backend.service, held)
-        charge = {"requests": 0.0, "slotSeconds": held}.get(group.spec.currency, usage)
+        currency = group.spec.currency
+        charge = 0.0 if currency == "requests" else held if currency == "slotSeconds" else usage
         group.decayed(now)
         group.usage += charge
         return self._fill(backend, now)
@@ -292,6 +293,13 @@ class Scheduler:
         """A backend of the tier this group may enter now: among the best ranked (X2), the
         preferred one if it may (K6), else the fewest in flight, then in turn. A rank
         comes first: a conversation does not wait on a busy peer while another is free."""
+        if len(tier) == 1:  # perf (SPEC §13): what the lists below come to for one backend
+            only = self.backends[tier[0]]
+            if not only.room_for(group) or self._waiters_fit(only):
+                return None
+            if prefer != only.id:  # (the preferred one is taken without a turn)
+                self._turn += 1
+            return only
         open_ = [
             self.backends[b]
             for b in tier
@@ -311,6 +319,8 @@ class Scheduler:
 
     def _waiters_fit(self, backend: Backend) -> bool:
         """Someone already waiting could take the free slot: a newcomer must not jump it (S1)."""
+        if not backend.queued:  # every request in `queues` is in `queued`: nobody waits
+            return False
         return any(q and backend.room_for(g) for g, q in backend.queues.items())
 
     def _victim(self, tier: Sequence[str], taker: GroupSpec) -> Running | None:

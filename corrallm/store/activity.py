@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields
 from itertools import compress, repeat
 from operator import attrgetter, eq
@@ -53,7 +53,8 @@ class Activity:
 
 
 COLUMNS = tuple(f.name for f in fields(Activity))
-_VALUES = attrgetter(*COLUMNS)  # ten times faster than dataclasses.astuple
+# A row's values in the order of COLUMNS (ten times faster than dataclasses.astuple).
+values: Callable[[Activity], tuple[Any, ...]] = attrgetter(*COLUMNS)
 INSERT = f"INSERT INTO activity ({', '.join(COLUMNS)}) VALUES ({', '.join('?' * len(COLUMNS))})"
 
 # The hourly rollups (SPEC §9 C4): what a batch adds, summed per hour and key or model.
@@ -139,9 +140,13 @@ class ActivityLog:
     def __init__(self, store: Store, flush_seconds: float = FLUSH_SECONDS) -> None:
         self.store = store
         self.flush_seconds = flush_seconds
-        self._pending: list[Activity] = []
+        self._pending: list[Sequence[Any]] = []  # rows' values, in the order of COLUMNS
 
     def record(self, row: Activity) -> None:
+        self._pending.append(values(row))
+
+    def add(self, row: Sequence[Any]) -> None:
+        """A row's values, as `values()` gives them (cost/ledger.py's `settlement`)."""
         self._pending.append(row)
 
     async def run(self) -> None:
@@ -159,7 +164,7 @@ class ActivityLog:
             return
         rows, self._pending = self._pending, []
         try:
-            await write(self.store, [_VALUES(r) for r in rows])
+            await write(self.store, rows)
         except Exception:
             self._pending[:0] = rows  # nothing is lost: they go first next time
             raise

@@ -31,21 +31,27 @@ class Kind(enum.IntEnum):
     JOIN = 1  # [index, pid]: a worker says who it is, once
     ACQUIRE = 3  # [its live entry the first time, model, max tokens, session, hop]:
     # the pause, limits, spend, a slot and a ready backend for it
-    RELEASE = 4  # [tokens, dollars]: its slot is given back
+    RELEASE = 4  # [tokens, dollars]: its slot is given back (when no DONE follows at once)
     REQUEUE = 5  # preempted before it sent anything: queued again
     WITHDRAW = 6  # it stopped waiting (its client left, or it was cancelled)
-    DONE = 7  # [its live entry if never sent, status, error, metered..., ttfb, waited]
+    DONE = 7  # [its live entry if never sent, status, prompt and completion tokens, cost,
+    # energy, its RELEASE or null, whether it has a row]: settled by the worker (its price,
+    # activity row and metrics), only charged here (spend windows, usage event)
     CAPTURE = 8  # pickle: a capture record for the owner's ring (O2)
     PROGRESS = 9  # [[request, events relayed], ...]: tokens so far of its answers (O1)
+    COUNTED = 10  # metrics.Counts.take() (or nothing): its visits' metrics since it last
+    # sent them; request number 0 every PROGRESS_SECONDS, else the owner's TALLY's
     # owner -> worker
     HELLO = 20  # pickle: the worker's brief (config, address, admin token)
     CONFIG = 21  # pickle: the config now in force (a reload)
     KEYS = 27  # pickle: the runtime keys and refused secrets now (T2: made, rotated, revoked)
     COUNTS = 28  # [[subjects], [[header, value], ...]]: a key's x-ratelimit-* counts now
     QUEUED = 22  # [ticket, backend, position, waiting, eta]
-    ADMITTED = 24  # [route id, base url, ticket, preemptible, rate-limit headers, load ms]
+    ADMITTED = 24  # [route id, base url, ticket, preemptible, rate-limit headers, load ms,
+    # admitted (monotonic), spilled]
     REFUSED = 25  # the ApiError's fields: the surface renders it
     INTERRUPT = 26  # [reason, detail]: preempted, cancelled, its peer down
+    TALLY = 29  # /metrics is read: what it counted, now (COUNTED, this request number)
 
 
 def frame(kind: Kind, rid: int, payload: bytes = b"") -> bytes:

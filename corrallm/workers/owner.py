@@ -6,9 +6,13 @@ is entered in the live list (`OPEN`), then `ACQUIRE` runs the gates that read st
 the pause, the key's rate windows and spend (T3, S6), a slot (the `Admission` every
 request of every worker shares) and a ready backend (loads happen here, once) — and
 answers `ADMITTED` with the route and its URL, or `REFUSED` with the error the surface
-renders. `RELEASE` and `DONE` (the visit settled: the ledger, metrics, the activity row)
-are never waited for. Preemption, an operator's cancel and a peer going down are
-`INTERRUPT`s sent to the worker holding the request (its `RemoteStop`).
+renders. `RELEASE` and `DONE` are never waited for: the worker settled the visit itself
+(its price, activity row and metrics are the config's arithmetic), and its `DONE` carries
+only what the owner books (the slot given back, spend windows, the row for the one
+activity writer, the live list). Each worker's metrics are added to the owner's in bulk
+(`COUNTED`), and asked for whenever /metrics is read (`TALLY`). Preemption, an
+operator's cancel and a peer going down are `INTERRUPT`s sent to the worker holding the
+request (its `RemoteStop`).
 
 A worker that goes away (killed, crashed) ends its connection: everything it held is
 let go at once — slots, backends' in-flight counts, rate-limit holds — and settled as
@@ -18,6 +22,7 @@ let go at once — slots, backends' in-flight counts, rate-limit holds — and s
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import pickle
 import time
@@ -27,7 +32,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from corrallm.auth.throttle import Pass, asks_of
 from corrallm.cost.ledger import Visit
-from corrallm.cost.model import Metered
+from corrallm.cost.model import FREE, Metered, Price
 from corrallm.http.errors import ApiError, not_found, quoted
 from corrallm.lifecycle.errors import RETIRED
 from corrallm.observe.live import LiveRequest
@@ -48,6 +53,8 @@ if TYPE_CHECKING:
 log = logging.getLogger("corrallm.workers")
 T = TypeVar("T")
 
+TALLY_SECONDS = 2.0  # how long /metrics waits for a worker's counts
+
 
 @dataclass(frozen=True)
 class Brief:
@@ -58,6 +65,7 @@ class Brief:
     admin_token: str
     version: int
     keys: Any  # T2: KeyRing.runtime(), the keys made through the API and refused secrets
+    db: str  # the store: an SQLite file's path or a PostgreSQL URL (its activity rows)
 
 
 class RemoteStop(Stop):
@@ -132,6 +140,14 @@ class Held:
         self.first: list[Route] = []  # the first tier it was offered (what spilled means)
         self.load_ms = 0.0
 
+    def queued(self, ticket_id: int) -> None:
+        """K4: it waits; its worker tells its client where, and for how long."""
+        core, backend = self.link.gw.admission.core, self.first[0].id
+        place = core.position(ticket_id)
+        where, position, waiting = place or (backend, 0, core.load(backend)[2])
+        note = [ticket_id, where, position, waiting, core.retry_after(where)]
+        self.link.send(Kind.QUEUED, self.rid, encode(note))
+
 
 class WorkerLink(Link):
     """The owner's end of one worker's hop connection."""
@@ -141,6 +157,7 @@ class WorkerLink(Link):
         self.owner = owner
         self.gw = owner.gateway
         self.held: dict[int, Held] = {}
+        self.asked: dict[int, asyncio.Future[None]] = {}  # TALLYs not yet answered
         self.index = -1
         self.pid = 0
 
@@ -159,6 +176,11 @@ class WorkerLink(Link):
                 self._release(self.held[rid], tokens, dollars)
             elif kind == Kind.DONE:
                 self._done(rid, decode(payload))
+            elif kind == Kind.COUNTED:
+                if payload:
+                    self.gw.metrics.add(decode(payload))
+                if rid:
+                    self._counted(rid)
             elif kind == Kind.REQUEUE:
                 held = self.held[rid]
                 self._leave(held)
@@ -308,17 +330,8 @@ class WorkerLink(Link):
     def _queue(self, held: Held, tiers: list[list[Route]]) -> Ticket | Awaitable[Ticket]:
         """A slot, decided now (most requests get one without a task or a coroutine); a
         wait for one in a task of its own (its maxWait is a timeout on it)."""
-
-        def queued(ticket_id: int) -> None:
-            core, backend = self.gw.admission.core, tiers[0][0].id
-            place = core.position(ticket_id)
-            where, position, waiting = place or (backend, 0, core.load(backend)[2])
-            note = [ticket_id, where, position, waiting, core.retry_after(where)]
-            self.send(Kind.QUEUED, held.rid, encode(note))
-
-        visit = held.visit
         got = self.gw.admission.submit(
-            visit.group, held.group, tiers, held.session, queued, held.stop
+            held.visit.group, held.group, tiers, held.session, held.queued, held.stop
         )
         return got if isinstance(got, Ticket) else self._wait(held, got)
 
@@ -360,6 +373,8 @@ class WorkerLink(Link):
             ticket.preemptible,
             held.headers,
             loaded,
+            visit.admitted_mono,
+            visit.spilled,
         ]
         self.send(Kind.ADMITTED, held.rid, encode(answer))
 
@@ -402,46 +417,47 @@ class WorkerLink(Link):
         self._release(held)
 
     def _done(self, rid: int, fields: list[Any]) -> None:
-        (
-            opening,
-            status,
-            error,
-            prompt,
-            completion,
-            b_in,
-            b_out,
-            estimated,
-            ttfb,
-            preempted,
-            waited,
-        ) = fields
+        """The request is over, settled by its worker (its row written there, its metrics
+        coming with the worker's next `COUNTED`): what it held given back, its cost
+        charged to its spend windows."""
+        opening, status, prompt, completion, usd, wh, released, booked = fields
         held = self.held.pop(rid, None)
-        if held is None:  # refused before it asked for a slot (a gate read from the config)
-            visit = _visit(opening)
-        else:
-            visit = held.visit
-            visit.load_ms = held.load_ms
-            visit.queue_ms = max(0.0, waited - held.load_ms)
-        visit.status, visit.error, visit.ttfb_ms, visit.preempted = status, error, ttfb, preempted
+        visit = _visit(opening) if held is None else held.visit
+        visit.status = status
         if prompt is not None:
-            visit.metered = Metered(prompt, completion, b_in, b_out, estimated)
-        if held is None:
-            self.gw.settle(visit)
-        else:
-            self._settle(held)
+            visit.metered = Metered(prompt, completion)
+        if held is not None:  # else refused before it asked for a slot (a gate of the config)
+            if released is not None:
+                self._release(held, *released)
+            self._let_go(held)
+            self._end(held, prompt + completion if prompt is not None else 0)
+        if booked:
+            self.gw.charge(visit, Price(wh, usd) if usd or wh else FREE)
+
+    def _end(self, held: Held, tokens: int) -> None:
+        """Its rate-limit hold and live entry given back (after `_let_go`)."""
+        if held.limits is not None:
+            self.gw.throttle.release(held.limits, tokens)
+            held.limits = None
+        self.gw.live.leave(held.live)
 
     def _settle(self, held: Held) -> None:
-        visit, gw = held.visit, self.gw
+        """Settled here: its worker is gone (the visit as the owner knows it)."""
+        visit = held.visit
         self._let_go(held)
-        if held.limits is not None:
-            gw.throttle.release(held.limits, visit.metered.tokens if visit.metered else 0)
-            held.limits = None
-        gw.live.leave(held.live)
-        gw.settle(visit)
+        self._end(held, visit.metered.tokens if visit.metered else 0)
+        self.gw.settle(visit)
+
+    def _counted(self, ask: int) -> None:
+        asked = self.asked.pop(ask, None)
+        if asked is not None and not asked.done():
+            asked.set_result(None)
 
     # -- the connection ------------------------------------------------------------------
 
     def connection_lost(self, exc: Exception | None) -> None:
+        for ask in list(self.asked):
+            self._counted(ask)  # nothing more will come: /metrics does not wait for it
         held, self.held = self.held, {}
         for one in held.values():
             one.visit.status = one.visit.status or 499
@@ -480,11 +496,15 @@ class Owner:
         self.joins: dict[int, asyncio.Event] = {}
         gateway.swapped.append(self._swapped)
         gateway.keys.changed.append(self._keys_changed)
+        gateway.metrics.sources.append(self.tally)
         self._keys_due = False
+        self._asks = itertools.count(1)
 
     def brief(self) -> bytes:
         gw = self.gateway
-        brief = Brief(gw.config, self.addr, self.admin_token, gw.version, gw.keys.runtime())
+        brief = Brief(
+            gw.config, self.addr, self.admin_token, gw.version, gw.keys.runtime(), str(gw.db)
+        )
         return pickle.dumps(brief)
 
     async def listen(self, path: str) -> None:
@@ -512,6 +532,23 @@ class Owner:
                 link.pid,
                 held,
             )
+
+    async def tally(self) -> None:
+        """/metrics is read: every worker's metrics counted since it last sent them are
+        added to the owner's first (`TALLY`, answered by `COUNTED`), so that a request
+        answered before the scrape is in it. A worker that does not answer within
+        TALLY_SECONDS is rendered as last heard."""
+        loop = asyncio.get_running_loop()
+        waits = []
+        for link in self.links:
+            ask = next(self._asks) & 0xFFFFFFFF or 1
+            asked = link.asked[ask] = loop.create_future()
+            waits.append(asked)
+            link.send(Kind.TALLY, ask)
+        if waits:
+            _, late = await asyncio.wait(waits, timeout=TALLY_SECONDS)
+            if late:
+                log.warning("%d workers did not send their metrics for /metrics", len(late))
 
     def counts(self, asks: Sequence[Ask], headers: list[tuple[str, str]]) -> None:
         """T3: a key's counts as they are after this admission, for every worker: the
