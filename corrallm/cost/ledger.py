@@ -118,10 +118,10 @@ def price_of(costs: CostModel, visit: Visit) -> Price:
 def settlement(costs: CostModel, visit: Visit) -> tuple[Price, tuple[Any, ...] | None]:
     """What the finished visit cost and its activity row (C3, in store/activity.py's
     column order): pure, given the config's prices, so that a relaying worker works both
-    out and writes the row itself, its owner only charging the cost (`Ledger.charge`). No row for T5's unknown
-    caller asking for a model nobody serves (a flood of made-up names, perhaps): it is
-    only counted, under bounded metric labels; it reserved nothing and reached no
-    backend."""
+    out and writes the row itself, its owner only charging the cost (`Ledger.charge`).
+    No row for T5's unknown caller asking for a model nobody serves (a flood of made-up
+    names, perhaps): it is only counted, under bounded metric labels; it reserved nothing
+    and reached no backend."""
     if visit.model == UNKNOWN_MODEL and visit.key in (None, UNKNOWN):
         return FREE, None
     price = price_of(costs, visit)
@@ -344,9 +344,7 @@ class Ledger:
     def price(self, visit: Visit) -> Price:
         return price_of(self.costs, visit)
 
-    def charge(
-        self, group: str, key: str | None, holds: tuple[SpendHold, ...], usd: float
-    ) -> None:
+    def charge(self, group: str, key: str | None, holds: tuple[SpendHold, ...], usd: float) -> None:
         """A settled visit's real cost charged to its lane's spend window and its key's,
         in place of what it reserved there (its row is written by whoever settled it)."""
         key_window = key is not None and self.key_spend

@@ -43,9 +43,9 @@ from corrallm.observe.metrics import Counts
 from corrallm.observe.ring import Record, Ring
 from corrallm.observe.traces import Tracer, retrace
 from corrallm.routing.router import Route, ServedModel
+from corrallm.scheduler.ticket import Interrupt, Stop, Ticket
 from corrallm.store.activity import ActivityLog
 from corrallm.store.db import Store
-from corrallm.scheduler.ticket import Interrupt, Stop, Ticket
 from corrallm.workers.hop import Kind, Link, decode, encode
 from corrallm.workers.mirror import Mirror, mirrored
 
