@@ -206,7 +206,7 @@ class Gateway:
         endpoint = route.endpoint
         if endpoint.kind == "peer" and not endpoint.available():
             return True  # X4: its peer went down while the request waited for it
-        return route.id not in self.routes or endpoint.retired
+        return route.id not in self.topology.routes or endpoint.retired
 
     def placeable(self, route: Route) -> bool:
         """Could this route serve now without waiting for memory (R2 spill)?"""
@@ -237,11 +237,13 @@ class Gateway:
         self.runtime_keys.used(visit.key, time.time())
         self.telemetry.settle(visit)
 
-    def charge(self, visit: Visit, price: Price) -> None:
+    def charge(
+        self, visit: Visit, price: Price, prompt_tokens: int, completion_tokens: int
+    ) -> None:
         """A request a relaying worker settled (its activity row written and its metrics
         counted there): what only this owner of state keeps of it."""
         self.runtime_keys.used(visit.key, time.time())
-        self.telemetry.charge(visit, price)
+        self.telemetry.charge(visit, price, prompt_tokens, completion_tokens)
 
     def _new_supervisor(self, sid: str, spec: ProcessSpec) -> Supervisor:
         return Supervisor(

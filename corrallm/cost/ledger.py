@@ -25,7 +25,6 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from corrallm.auth.keys import UNKNOWN
 from corrallm.config.schema import BackendConfig, Config, ProcessSpec, SpendLimit
 from corrallm.cost.model import FREE, CostModel, Metered, Price
 from corrallm.cost.spend import SpendWindow, retry_after
@@ -115,15 +114,10 @@ def price_of(costs: CostModel, visit: Visit) -> Price:
     return visit.price
 
 
-def settlement(costs: CostModel, visit: Visit) -> tuple[Price, tuple[Any, ...] | None]:
+def activity_row(costs: CostModel, visit: Visit) -> tuple[Price, tuple[Any, ...]]:
     """What the finished visit cost and its activity row (C3, in store/activity.py's
     column order): pure, given the config's prices, so that a relaying worker works both
-    out and writes the row itself, its owner only charging the cost (`Ledger.charge`).
-    No row for T5's unknown caller asking for a model nobody serves (a flood of made-up
-    names, perhaps): it is only counted, under bounded metric labels; it reserved nothing
-    and reached no backend."""
-    if visit.model == UNKNOWN_MODEL and visit.key in (None, UNKNOWN):
-        return FREE, None
+    out and writes the row itself, its owner only charging the cost (`Ledger.charge`)."""
     price = price_of(costs, visit)
     m = visit.metered or NOTHING
     audio = visit.backend is not None and costs.audio(visit.backend)

@@ -56,7 +56,7 @@ class Observed(Protocol):
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 
-class Counts:
+class Tally:
     """What settled visits add to /metrics: counters by label set and the latency
     histograms. A relaying worker (`serve --workers N`) keeps its own and hands over what
     it counted since it last did (`take`); the owner adds that to its own (`add`), so
@@ -95,7 +95,7 @@ class Counts:
         taken.append([[group, n] for group, n in self.preemptions.items()])
         taken.append([[*key, n] for key, n in self.rejections.items()])
         taken.append([[*key, rows] for key, rows in self.latency.series.items()])
-        Counts.__init__(self)
+        Tally.__init__(self)
         return taken
 
     def add(self, taken: list[Any]) -> None:
@@ -116,7 +116,7 @@ class Counts:
             self.latency.add((model, group), rows)
 
 
-class Metrics(Counts):
+class Metrics(Tally):
     def __init__(self, gateway: Observed) -> None:
         super().__init__()
         self.gateway = gateway
@@ -361,7 +361,7 @@ class Latency:
                 _add(rows[_RATE], RATE_BUCKETS, metered.completion_tokens / generating)
 
     def add(self, key: tuple[str, str], rows: list[list[float]]) -> None:
-        """Another process's rows of one series (`Counts.take`), added to this one's."""
+        """Another process's rows of one series (`Tally.take`), added to this one's."""
         own = self.series.get(key)
         if own is None:
             self.series[key] = [list(row) for row in rows]

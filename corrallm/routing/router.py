@@ -90,7 +90,7 @@ class ServedModel:
         if len(self.routes) == 1:
             # What the lists below come to for one backend, whatever its state (perf,
             # SPEC §13: most models have one, and this is asked of every request).
-            return [[self.primary]]
+            return [[self.routes[0]]]
         quality = self.primary.config.quality
         usable = [
             [r for r in tier if r.endpoint.available() and not (local_only and r.config.peer)]
@@ -112,4 +112,4 @@ class ServedModel:
         return any(not r.config.peer for r in self.routes)
 
     def degraded(self, route: Route) -> bool:
-        return route.config.quality < self.primary.config.quality
+        return route.config.quality < self.routes[0].config.quality  # (the primary's)

@@ -124,7 +124,8 @@ class Scheduler:
         backend of the first tier has fewer waiting.
         """
         group = self.groups[request.group]
-        self._activate(group, now)
+        if not (group.in_flight or group.waiting):
+            self._activate(group, now)
         for position, tier in enumerate(tiers):
             if backend := self._least_loaded(tier, request.group, prefer, rank):
                 return self._admit(request, backend, now)
@@ -295,7 +296,7 @@ class Scheduler:
         comes first: a conversation does not wait on a busy peer while another is free."""
         if len(tier) == 1:  # perf (SPEC §13): what the lists below come to for one backend
             only = self.backends[tier[0]]
-            if not only.room_for(group) or self._waiters_fit(only):
+            if not only.room_for(group) or (only.queued and self._waiters_fit(only)):
                 return None
             if prefer != only.id:  # (the preferred one is taken without a turn)
                 self._turn += 1

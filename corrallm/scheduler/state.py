@@ -74,4 +74,6 @@ class Backend:
 
     def room_for(self, group: str) -> bool:
         busy = len(self.running) + len(self.handoffs)
+        if not self.leases:  # perf (SPEC §13): nothing reserved, the common case
+            return busy < self.capacity
         return busy + self.held_for_others(group) < self.capacity

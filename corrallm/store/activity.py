@@ -146,7 +146,7 @@ class ActivityLog:
         self._pending.append(values(row))
 
     def add(self, row: Sequence[Any]) -> None:
-        """A row's values, as `values()` gives them (cost/ledger.py's `settlement`)."""
+        """A row's values, as `values()` gives them (cost/ledger.py's `activity_row`)."""
         self._pending.append(row)
 
     async def run(self) -> None:

@@ -18,7 +18,7 @@ import asyncio
 import enum
 import struct
 import types
-from collections.abc import Coroutine, Generator
+from collections.abc import Callable, Coroutine, Generator
 from typing import Any, cast
 
 import orjson
@@ -58,10 +58,7 @@ def frame(kind: Kind, rid: int, payload: bytes = b"") -> bytes:
     return HEAD.pack(len(payload), kind, rid) + payload
 
 
-def encode(value: Any) -> bytes:
-    return orjson.dumps(value)
-
-
+encode: Callable[[Any], bytes] = orjson.dumps
 decode = orjson.loads
 
 
@@ -99,7 +96,7 @@ class Link(asyncio.Protocol):
         if not self._out:
             assert self._loop is not None
             self._loop.call_soon(self._flush)
-        self._out.append(frame(kind, rid, payload))
+        self._out.append(HEAD.pack(len(payload), kind, rid) + payload)  # (a frame)
 
     def flush_now(self) -> None:
         if self._out:

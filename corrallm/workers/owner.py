@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from corrallm.auth.throttle import Pass, asks_of
 from corrallm.cost.ledger import Visit
-from corrallm.cost.model import FREE, Metered, Price
+from corrallm.cost.model import FREE, Price
 from corrallm.http.errors import ApiError, not_found, quoted
 from corrallm.lifecycle.errors import RETIRED
 from corrallm.observe.live import LiveRequest
@@ -96,49 +96,30 @@ class Relayed:
 
 
 class Held:
-    """One request of one worker, from its `OPEN` to its `DONE`."""
+    """One request of one worker, from its `OPEN` to its `DONE`.
 
-    __slots__ = (
-        "entered",
-        "first",
-        "gone",
-        "group",
-        "headers",
-        "hop",
-        "identity",
-        "limit",
-        "limits",
-        "link",
-        "live",
-        "load_ms",
-        "passed",
-        "rid",
-        "session",
-        "stop",
-        "task",
-        "ticket",
-        "visit",
-        "waiting",
-    )
+    Not slotted: what most requests never change is the class's default, so that making
+    one sets a few fields, not twenty (it is made for every request the owner admits)."""
+
+    group: PriorityGroup | None = None
+    identity: Identity | None = None
+    limit: int | None = None  # the completion tokens it asks for (estimates)
+    session: str | None = None  # K6
+    hop = False  # it came from another gateway (X1)
+    ticket: Ticket | None = None  # the slot it holds
+    entered: Endpoint | None = None  # the backend it is counted in flight on
+    limits: Pass | None = None  # T3: its place in its key's windows
+    passed = False  # its limits and spend were checked (once, however routed)
+    headers: list[tuple[str, str]] | None = None  # T3: x-ratelimit-* for the answer
+    task: asyncio.Task[None] | None = None  # an acquire that waits (kept alive)
+    waiting: asyncio.Task[Any] | None = None  # what it waits for in there
+    gone = False  # the worker no longer waits for its acquire
+    first: Sequence[Route] = ()  # the first tier it was offered (what spilled means)
+    load_ms = 0.0
 
     def __init__(self, link: WorkerLink, rid: int, visit: Visit, live: LiveRequest) -> None:
         self.link, self.rid, self.visit, self.live = link, rid, visit, live
-        self.group: PriorityGroup | None = None
-        self.identity: Identity | None = None
-        self.limit: int | None = None  # the completion tokens it asks for (estimates)
-        self.session: str | None = None  # K6
-        self.hop = False  # it came from another gateway (X1)
         self.stop = RemoteStop(self)
-        self.ticket: Ticket | None = None  # the slot it holds
-        self.entered: Endpoint | None = None  # the backend it is counted in flight on
-        self.limits: Pass | None = None  # T3: its place in its key's windows
-        self.passed = False  # its limits and spend were checked (once, however routed)
-        self.headers: list[tuple[str, str]] | None = None  # T3: x-ratelimit-* for the answer
-        self.task: asyncio.Task[None] | None = None  # an acquire that waits (kept alive)
-        self.waiting: asyncio.Task[Any] | None = None  # what it waits for in there
-        self.gone = False  # the worker no longer waits for its acquire
-        self.first: list[Route] = []  # the first tier it was offered (what spilled means)
-        self.load_ms = 0.0
 
     def queued(self, ticket_id: int) -> None:
         """K4: it waits; its worker tells its client where, and for how long."""
@@ -225,7 +206,7 @@ class WorkerLink(Link):
                 )
                 self._still(held)
             else:
-                if gw.paused("model", served.name):
+                if gw.pauses.paused("model", served.name):
                     raise model_paused(served.name, gw.pause_remaining("model", served.name))
                 tiers = served.tiers_for(held.group, gw.placeable, held.hop)
                 held.first = tiers[0]
@@ -238,8 +219,11 @@ class WorkerLink(Link):
                         self._still(held)
                     held.passed = True
                 got = self._queue(held, tiers)
-                ticket = held.ticket = got if isinstance(got, Ticket) else await got
-                self._still(held)
+                if isinstance(got, Ticket):  # most: nothing waited, nothing to check again
+                    ticket = held.ticket = got
+                else:
+                    ticket = held.ticket = await got
+                    self._still(held)
             while True:
                 route = ticket.route
                 if gw.stale(route):  # P6: a reload took its backend while it waited
@@ -268,8 +252,9 @@ class WorkerLink(Link):
                         raise
                     finally:
                         held.load_ms += (time.monotonic() - began) * 1000
+                    held.entered = endpoint
+                    self._still(held)
                 held.entered = endpoint
-                self._still(held)
                 break
             self._admitted(held, served, ticket, held.load_ms - loaded)
         except Rejected as exc:
@@ -287,7 +272,7 @@ class WorkerLink(Link):
     def _served(self, model: str) -> ServedModel:
         """The worker found `model` in its topology: here it can be missing only when a
         reload took it away meanwhile (P6)."""
-        served = self.gw.models.get(model)
+        served = self.gw.topology.models.get(model)
         if served is None:
             raise not_found(
                 f"The model '{quoted(model)}' was removed by a config reload while this "
@@ -406,7 +391,7 @@ class WorkerLink(Link):
             self.gw.admission.release(held.ticket, tokens, dollars)
             held.ticket = None
 
-    def _let_go(self, held: Held) -> None:
+    def _let_go(self, held: Held, tokens: int = 0, dollars: float = 0.0) -> None:
         """Whatever it holds is given back (it stopped waiting, or is over, or its worker
         is gone); a wait under way is cancelled."""
         held.gone = True
@@ -414,7 +399,7 @@ class WorkerLink(Link):
             # Cancelled on the loop's next turn: a task cancelled before its first turn
             # never runs its coroutine, and the admission's wait must run to withdraw.
             asyncio.get_running_loop().call_soon(held.waiting.cancel)
-        self._release(held)
+        self._release(held, tokens, dollars)
 
     def _done(self, rid: int, fields: list[Any]) -> None:
         """The request is over, settled by its worker (its row written there, its metrics
@@ -424,15 +409,15 @@ class WorkerLink(Link):
         held = self.held.pop(rid, None)
         visit = _visit(opening) if held is None else held.visit
         visit.status = status
-        if prompt is not None:
-            visit.metered = Metered(prompt, completion)
         if held is not None:  # else refused before it asked for a slot (a gate of the config)
-            if released is not None:
-                self._release(held, *released)
-            self._let_go(held)
+            if released is None:
+                self._let_go(held)
+            else:
+                self._let_go(held, *released)
             self._end(held, prompt + completion if prompt is not None else 0)
         if booked:
-            self.gw.charge(visit, Price(wh, usd) if usd or wh else FREE)
+            price = Price(wh, usd) if usd or wh else FREE
+            self.gw.charge(visit, price, prompt or 0, completion)
 
     def _end(self, held: Held, tokens: int) -> None:
         """Its rate-limit hold and live entry given back (after `_let_go`)."""

@@ -33,14 +33,15 @@ from corrallm.auth.limits import Ask, Hold, LimitRefusal, Remaining
 from corrallm.auth.throttle import Pass
 from corrallm.config import Config
 from corrallm.config.schema import BackendConfig, PriorityGroup, SpendLimit, TelemetryConfig
-from corrallm.cost.ledger import OverSpend, Visit, price_of, settlement
+from corrallm.cost.ledger import OverSpend, Visit, price_of
 from corrallm.cost.model import CostModel, Price
 from corrallm.http.errors import ApiError
 from corrallm.observe.captures import Captures
 from corrallm.observe.context import CURRENT as EXCHANGE
 from corrallm.observe.live import LiveRequest
-from corrallm.observe.metrics import Counts
+from corrallm.observe.metrics import Tally
 from corrallm.observe.ring import Record, Ring
+from corrallm.observe.telemetry import settlement
 from corrallm.observe.traces import Tracer, retrace
 from corrallm.routing.router import Route, ServedModel
 from corrallm.scheduler.ticket import Interrupt, Stop, Ticket
@@ -408,7 +409,7 @@ class RemoteRuntime:
         self.admission = RemoteAdmission(self.link, self.heard)
         self.throttle = RemoteLimits()
         self.live = RemoteLive(self.link)
-        self.counts = Counts()  # its visits' metrics, for the owner's /metrics
+        self.counts = Tally()  # its visits' metrics, for the owner's /metrics
         self.mirrors: dict[str, Mirror] = {}
         # E2: each worker exports the spans of the requests it relays.
         self.tracer: Tracer | None = None

@@ -17,7 +17,7 @@ from corrallm.config import load_config_text
 from corrallm.cost.ledger import Visit
 from corrallm.cost.model import Metered
 from corrallm.gateway import Gateway
-from corrallm.observe.metrics import Counts
+from corrallm.observe.metrics import Tally
 from corrallm.workers.hop import HEAD, Kind, Link, eager, encode, frame
 from corrallm.workers.owner import Owner, WorkerLink
 from corrallm.workers.remote import OwnerLink
@@ -135,12 +135,12 @@ async def test_C6_O3_metrics_counted_by_a_worker_are_added_to_the_owners() -> No
     visit = Visit("k", "default", "m", "/v1/chat/completions", 80, 1e9, 1.0)
     visit.backend_id, visit.status, visit.admitted_mono = "m#0", 200, 1.0
     visit.metered = Metered(5, 16)
-    worker = Counts()
+    worker = Tally()
     worker.visit(visit, 0.5, 2.0)
     worker.visit(visit, 0.5, 2.0)
     taken = worker.take()
     assert taken is not None and worker.take() is None  # taken once, then nothing new
-    owner = Counts()
+    owner = Tally()
     owner.visit(visit, 0.5, 2.0)
     owner.add(orjson.loads(orjson.dumps(taken)))  # as it crosses the hop
     assert owner.requests[("m", "m#0", "default", "200")] == 3
@@ -159,7 +159,7 @@ async def test_C6_reading_metrics_asks_every_worker_for_its_counts_first(owner) 
     assert kind == Kind.TALLY and not scrape.done()
     visit = Visit(None, "default", "m", "/v1/chat/completions", 80, 1e9, 1.0)
     visit.backend_id, visit.status = "m#0", 200
-    counts = Counts()
+    counts = Tally()
     counts.visit(visit, 0.0, 0.0)
     link.frame(Kind.COUNTED, ask, encode(counts.take()))
     body = (await asyncio.wait_for(scrape, 5)).decode()
