@@ -88,9 +88,17 @@ class ServedModel:
         all, the primary (local) answers, so the caller hears why.
         """
         if len(self.routes) == 1:
-            # What the lists below come to for one backend, whatever its state (perf,
-            # SPEC §13: most models have one, and this is asked of every request).
+            # What `_usable` comes to for one backend, whatever its state (perf, SPEC §13:
+            # most models have one, and this is asked of every request).
             return [[self.routes[0]]]
+        return self._usable(group, placeable, local_only)
+
+    def _usable(
+        self,
+        group: PriorityGroup | None,
+        placeable: Callable[[Route], bool] | None,
+        local_only: bool,
+    ) -> list[list[Route]]:
         quality = self.primary.config.quality
         usable = [
             [r for r in tier if r.endpoint.available() and not (local_only and r.config.peer)]

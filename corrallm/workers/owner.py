@@ -232,7 +232,7 @@ class WorkerLink(Link):
                     served = self._served(served.name)
                     tiers = served.tiers_for(held.group, gw.placeable, held.hop)
                     held.first = tiers[0]
-                    if all(gw.stale(r) for tier in tiers for r in tier):
+                    if self._all_stale(tiers):
                         await self._wait(held, ready(tiers[0][0]))  # raises why
                     got = self._queue(held, tiers)
                     ticket = held.ticket = got if isinstance(got, Ticket) else await got
@@ -268,6 +268,9 @@ class WorkerLink(Link):
             self._refuse(held, ApiError(500, "corrallm hit an unexpected error admitting it."))
         finally:
             held.task = None
+
+    def _all_stale(self, tiers: list[list[Route]]) -> bool:
+        return all(self.gw.stale(r) for tier in tiers for r in tier)
 
     def _served(self, model: str) -> ServedModel:
         """The worker found `model` in its topology: here it can be missing only when a
