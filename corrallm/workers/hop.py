@@ -76,18 +76,20 @@ class Link(asyncio.Protocol):
         self._loop = asyncio.get_running_loop()
 
     def data_received(self, data: bytes) -> None:
-        buffer = self._buffer
-        buffer += data
-        at, size = 0, len(buffer)
+        if self._buffer:  # the rest of a frame that came in parts
+            self._buffer += data
+            data = bytes(self._buffer)
+            self._buffer.clear()
+        at, size = 0, len(data)
         while size - at >= 9:
-            length, kind, rid = HEAD.unpack_from(buffer, at)
+            length, kind, rid = HEAD.unpack_from(data, at)
             end = at + 9 + length
             if end > size:
                 break
-            self.frame(kind, rid, bytes(buffer[at + 9 : end]))
+            self.frame(kind, rid, data[at + 9 : end])
             at = end
-        if at:
-            del buffer[:at]
+        if at < size:  # most reads end on a frame's end: nothing is copied to the buffer
+            self._buffer += memoryview(data)[at:]
 
     def frame(self, kind: int, rid: int, payload: bytes) -> None:
         raise NotImplementedError

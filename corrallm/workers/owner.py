@@ -76,7 +76,7 @@ class RemoteStop(Stop):
     __slots__ = ("held",)
 
     def __init__(self, held: Held) -> None:
-        super().__init__(None)
+        Stop.__init__(self, None)
         self.held = held
 
     def interrupt(self, reason: Interrupt, detail: str = "") -> bool:
@@ -151,7 +151,7 @@ class WorkerLink(Link):
                 held = self._open(rid, opening) if opening is not None else self.held[rid]
                 held.visit.model, held.limit, held.session, held.hop = model, limit, session, hop
                 held.gone = False
-                held.task = eager(self._acquire(held, None))
+                self._acquire_now(held)
             elif kind == Kind.RELEASE:
                 tokens, dollars = decode(payload)
                 self._release(self.held[rid], tokens, dollars)
@@ -195,17 +195,63 @@ class WorkerLink(Link):
 
     # -- acquire: the gates that read state, in the pipeline's order ---------------------
 
-    async def _acquire(self, held: Held, requeued: Ticket | None) -> None:
+    def _acquire_now(self, held: Held) -> None:
+        """`ACQUIRE`, decided now where nothing waits (most requests: no limits to pass, a
+        free slot on a ready backend): no coroutine is made for it. Where something
+        waits, `_acquire` carries on from the slot it got or waits for (or starts over,
+        for limits to pass)."""
+        gw, visit = self.gw, held.visit
+        try:
+            if held.passed or not self._limited(held):
+                served = self._served(visit.model)
+                if gw.pauses.paused("model", served.name):
+                    raise model_paused(served.name, gw.pause_remaining("model", served.name))
+                tiers = served.tiers_for(held.group, gw.placeable, held.hop)
+                held.first = tiers[0]
+                held.passed = True
+                got = self._queue(held, tiers)
+                if isinstance(got, Ticket):
+                    held.ticket = got
+                    route = got.route
+                    if not gw.stale(route) and route.endpoint.enter():
+                        visit.admitted_mono = visit.admitted_mono or time.monotonic()
+                        held.entered = route.endpoint
+                        self._admitted(held, served, got, 0.0)
+                        return
+                held.task = eager(self._acquire(held, None, (served, got)))
+                return
+        except Exception as exc:
+            self._failed(held, exc)
+            return
+        held.task = eager(self._acquire(held, None))
+
+    async def _acquire(
+        self,
+        held: Held,
+        requeued: Ticket | None,
+        queued: tuple[ServedModel, Ticket | Awaitable[Ticket]] | None = None,
+    ) -> None:
+        """The gates, in the pipeline's order, for a request that waits somewhere: its
+        limits, a slot (`queued`: as `_acquire_now` got it), a reload, a load; or a
+        preempted one's place in its queue again (`requeued`)."""
         gw, visit = self.gw, held.visit
         loaded = held.load_ms  # what earlier acquires of it waited for loads (S4)
         try:
-            served = self._served(visit.model)
-            if requeued is not None:
+            if queued is not None:
+                served, got = queued
+                if isinstance(got, Ticket):
+                    ticket = got
+                else:
+                    ticket = held.ticket = await got
+                    self._still(held)
+            elif requeued is not None:
+                served = self._served(visit.model)
                 ticket = held.ticket = await self._wait(
                     held, gw.admission.requeue(requeued, held.group)
                 )
                 self._still(held)
             else:
+                served = self._served(visit.model)
                 if gw.pauses.paused("model", served.name):
                     raise model_paused(served.name, gw.pause_remaining("model", served.name))
                 tiers = served.tiers_for(held.group, gw.placeable, held.hop)
@@ -257,17 +303,22 @@ class WorkerLink(Link):
                 held.entered = endpoint
                 break
             self._admitted(held, served, ticket, held.load_ms - loaded)
-        except Rejected as exc:
-            self._refuse(held, too_many_requests(exc))
-        except ApiError as exc:
-            self._refuse(held, exc)
-        except _Withdrawn:
-            self._release(held)  # what it got as it went (`_let_go` gave back the rest)
-        except Exception:
-            log.exception("request=%s: acquiring for a worker failed", visit.request_id)
-            self._refuse(held, ApiError(500, "corrallm hit an unexpected error admitting it."))
+        except Exception as exc:
+            self._failed(held, exc)
         finally:
             held.task = None
+
+    def _failed(self, held: Held, exc: Exception) -> None:
+        """An acquire that ended without a slot (in an `except` clause: a bug is logged)."""
+        if isinstance(exc, Rejected):
+            self._refuse(held, too_many_requests(exc))
+        elif isinstance(exc, ApiError):
+            self._refuse(held, exc)
+        elif isinstance(exc, _Withdrawn):
+            self._release(held)  # what it got as it went (`_let_go` gave back the rest)
+        else:
+            log.exception("request=%s: acquiring for a worker failed", held.visit.request_id)
+            self._refuse(held, ApiError(500, "corrallm hit an unexpected error admitting it."))
 
     def _all_stale(self, tiers: list[list[Route]]) -> bool:
         return all(self.gw.stale(r) for tier in tiers for r in tier)
