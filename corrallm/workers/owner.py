@@ -73,15 +73,17 @@ class RemoteStop(Stop):
     which records it on the request's own `Stop` there (and decides, as in process,
     whether a preemption may cut the answer)."""
 
-    __slots__ = ("held",)
+    __slots__ = ("link", "rid")
 
-    def __init__(self, held: Held) -> None:
+    def __init__(self, link: WorkerLink, rid: int) -> None:
+        # The link and the number, not the `Held`: no reference cycle (held -> stop ->
+        # held) is left for the garbage collector to find when the request is over.
         Stop.__init__(self, None)
-        self.held = held
+        self.link, self.rid = link, rid
 
     def interrupt(self, reason: Interrupt, detail: str = "") -> bool:
         self.note(reason, detail)
-        self.held.link.send(Kind.INTERRUPT, self.held.rid, encode([int(reason), detail]))
+        self.link.send(Kind.INTERRUPT, self.rid, encode([int(reason), detail]))
         return True
 
     def cancel(self) -> bool:
@@ -119,7 +121,7 @@ class Held:
 
     def __init__(self, link: WorkerLink, rid: int, visit: Visit, live: LiveRequest) -> None:
         self.link, self.rid, self.visit, self.live = link, rid, visit, live
-        self.stop = RemoteStop(self)
+        self.stop = RemoteStop(link, rid)
 
     def queued(self, ticket_id: int) -> None:
         """K4: it waits; its worker tells its client where, and for how long."""
