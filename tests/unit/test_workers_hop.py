@@ -173,7 +173,7 @@ async def test_a_request_over_leaves_no_cycle_for_the_garbage_collector(owner) -
     """SPEC §13: what the owner made for a request is freed by reference counting when it
     is over. Cycles (a held request and its stop pointing at each other) left six objects
     a request for the collector, whose passes over them cost ~1 µs a request."""
-    gw, link, wire = owner
+    _, link, wire = owner
     acquire(link, 1)
     link.frame(Kind.DONE, 1, encode(DONE_200))
     await answers(wire)
