@@ -1,5 +1,6 @@
 """Activity (SPEC §9 C3): one row per request (and per backend load), written off the
-request path by one batched writer.
+request path by a batched writer (one per process: under `serve --workers N` each
+relaying worker writes its own requests' rows).
 
 `record()` only appends to an in-memory list: no I/O on the hot path. A background task
 flushes the list every second (and at shutdown) in one transaction, so a crash loses at
@@ -135,7 +136,7 @@ async def write(store: Store, rows: Sequence[Sequence[Any]]) -> None:
 
 
 class ActivityLog:
-    """The one writer of the activity table."""
+    """A process's writer of the activity table."""
 
     def __init__(self, store: Store, flush_seconds: float = FLUSH_SECONDS) -> None:
         self.store = store
