@@ -320,7 +320,7 @@ class Admission:
         if victim is None or victim.shielded:
             return  # it ends by itself; the hand-off admits the taker then
         # A stop with no task of its own here (a relaying worker's request, held by the
-        # owner: corrallm/workers/owner.py) passes the interrupt on to its worker.
+        # owner: corrallm/workers/held.py) passes the interrupt on to its worker.
         victim.stop.interrupt(Interrupt.PREEMPTED)
 
     def _policy(self, group: PriorityGroup | None, backend_type: str) -> Policy:

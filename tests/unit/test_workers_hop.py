@@ -19,8 +19,9 @@ from corrallm.cost.ledger import Visit
 from corrallm.cost.model import Metered
 from corrallm.gateway import Gateway
 from corrallm.observe.metrics import Tally
+from corrallm.workers.held import WorkerLink
 from corrallm.workers.hop import HEAD, Kind, Link, eager, encode, frame
-from corrallm.workers.owner import Owner, WorkerLink
+from corrallm.workers.owner import Owner
 from corrallm.workers.remote import OwnerLink
 
 CONFIG = """
