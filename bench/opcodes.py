@@ -165,6 +165,12 @@ def main() -> None:
         choices=keys.MODES,
         help="bench/keys.py's policy (1,000 named keys ...): chat completions only, as its caller",
     )
+    parser.add_argument(
+        "--workers",
+        type=int,
+        default=1,
+        help="serve --workers N: counts the owner's event loop (1: the one process)",
+    )
     args = parser.parse_args()
     nginx = find_nginx()
     if nginx is None:
@@ -188,7 +194,10 @@ def main() -> None:
                 more={"bench-short": short},
                 extra_config=(start_sink(procs) if args.trace else "")
                 + (keys.LANE + keys.policy_of(args.keys) if args.keys else ""),
+                workers=args.workers,
             )
+            if args.workers > 1:
+                time.sleep(1.0)  # every worker joined (health needs only one)
             assert target.pid is not None
             counted = Counted(target.pid, out)
             client = tools["stream_client"]

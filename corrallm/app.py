@@ -280,7 +280,7 @@ class CorrallmApp:
             await send_bytes(send, 200, _HEALTH)
         elif path == "/metrics":
             _require(method, "GET", path)
-            body = self.gateway.metrics.render()
+            body = await self.gateway.metrics.scrape()
             await send_bytes(send, 200, body, content_type=METRICS_CONTENT_TYPE)
         elif path == "/v1/models" or path.startswith("/v1/models/"):
             _require(method, "GET", path)

@@ -32,6 +32,7 @@ from corrallm.config import Config
 from corrallm.config.schema import ProcessSpec
 from corrallm.cost.economics import Economics
 from corrallm.cost.ledger import Ledger, Visit
+from corrallm.cost.model import Price
 from corrallm.lifecycle.errors import LifecycleError
 from corrallm.lifecycle.pauses import Pauses
 from corrallm.lifecycle.probe import HealthProbe
@@ -87,7 +88,8 @@ class Gateway:
         self.swapped: list[Callable[[Topology], None]] = []
         # -- the long-lived owners ---------------------------------------------------
         self.probe = HealthProbe()
-        self.store = store_at(db_path or home / "corrallm.db")  # X5: a URL is PostgreSQL
+        self.db = db_path or home / "corrallm.db"  # X5: a URL is PostgreSQL
+        self.store = store_at(self.db)
         self.activity = ActivityLog(self.store)
         self.ledger = Ledger(config, self.activity)
         self.events = EventBus()
@@ -204,7 +206,7 @@ class Gateway:
         endpoint = route.endpoint
         if endpoint.kind == "peer" and not endpoint.available():
             return True  # X4: its peer went down while the request waited for it
-        return route.id not in self.routes or endpoint.retired
+        return route.id not in self.topology.routes or endpoint.retired
 
     def placeable(self, route: Route) -> bool:
         """Could this route serve now without waiting for memory (R2 spill)?"""
@@ -234,6 +236,14 @@ class Gateway:
         """A request is over: its cost, spend, activity row, metrics and usage event."""
         self.runtime_keys.used(visit.key, time.time())
         self.telemetry.settle(visit)
+
+    def charge(
+        self, visit: Visit, price: Price, prompt_tokens: int, completion_tokens: int
+    ) -> None:
+        """A request a relaying worker settled (its activity row written and its metrics
+        counted there): what only this owner of state keeps of it."""
+        self.runtime_keys.used(visit.key, time.time())
+        self.telemetry.charge(visit, price, prompt_tokens, completion_tokens)
 
     def _new_supervisor(self, sid: str, spec: ProcessSpec) -> Supervisor:
         return Supervisor(

@@ -23,12 +23,13 @@ import socket
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
 from corrallm.config.schema import BackendConfig, Config, ProcessSpec, SpendLimit
 from corrallm.cost.model import FREE, CostModel, Metered, Price
 from corrallm.cost.spend import SpendWindow, retry_after
 from corrallm.store import spend as table
-from corrallm.store.activity import Activity, ActivityLog
+from corrallm.store.activity import Activity, ActivityLog, values
 from corrallm.store.db import Store, StoreUnavailable
 
 log = logging.getLogger("corrallm.cost")
@@ -69,6 +70,7 @@ def key_lane(name: str) -> str:
 # T5: what a model name that is not served is called in rows, events and metric labels
 # (callers choose names: each one kept would grow the store and the metrics).
 UNKNOWN_MODEL = "unknown"
+NOTHING = Metered()  # what a visit without a meter's reading used
 
 
 @dataclass(slots=True)
@@ -110,6 +112,43 @@ def price_of(costs: CostModel, visit: Visit) -> Price:
             else costs.request(visit.backend, visit.metered)
         )
     return visit.price
+
+
+def activity_row(costs: CostModel, visit: Visit) -> tuple[Price, tuple[Any, ...]]:
+    """What the finished visit cost and its activity row (C3, in store/activity.py's
+    column order): pure, given the config's prices, so that a relaying worker works both
+    out and writes the row itself, its owner only charging the cost (`Ledger.charge`)."""
+    price = price_of(costs, visit)
+    m = visit.metered or NOTHING
+    audio = visit.backend is not None and costs.audio(visit.backend)
+    now = time.monotonic()
+    admitted = visit.admitted_mono or now
+    row = Activity(
+        t=visit.arrived,
+        kind="request",
+        key=visit.key,
+        grp=visit.group,
+        model=visit.model,
+        backend=visit.backend_id,
+        endpoint=visit.endpoint,
+        status=visit.status,
+        dwell_ms=(admitted - visit.arrived_mono) * 1000,
+        duration_ms=(now - visit.arrived_mono) * 1000,
+        ttfb_ms=visit.ttfb_ms,
+        prompt_tokens=m.prompt_tokens,
+        completion_tokens=m.completion_tokens,
+        bytes=m.bytes_in + m.bytes_out if audio else 0,
+        energy_wh=price.energy_wh,
+        cost_usd=price.cost_usd,
+        estimated=m.estimated,
+        degraded=visit.degraded,
+        spilled=visit.spilled,
+        preempted=visit.preempted,
+        error=visit.error[:ERROR_SUMMARY_CHARS] if visit.error else None,
+        request_id=visit.request_id,
+        usr=visit.user,
+    )
+    return price, values(row)
 
 
 class Ledger:
@@ -299,53 +338,29 @@ class Ledger:
     def price(self, visit: Visit) -> Price:
         return price_of(self.costs, visit)
 
-    def settle(self, visit: Visit) -> Price:
-        """The visit's real cost: charged to its lane and written to the activity log."""
+    def charge(self, group: str, key: str | None, holds: tuple[SpendHold, ...], usd: float) -> None:
+        """A settled visit's real cost charged to its lane's spend window and its key's,
+        in place of what it reserved there (its row is written by whoever settled it)."""
+        key_window = key is not None and self.key_spend
+        if group not in self.spend and not key_window:
+            return  # the common case: no spend limit on its lane or its key
         now = time.time()
-        price = self.price(visit)
-        self._charge(visit.group, self.spend.get(visit.group), visit, price.cost_usd, now)
-        if visit.key is not None and self.key_spend:
-            lane = key_lane(visit.key)
-            self._charge(lane, self.key_spend.get(visit.key), visit, price.cost_usd, now)
-        m = visit.metered or Metered()
-        audio = visit.backend is not None and self.costs.audio(visit.backend)
-        admitted = visit.admitted_mono or time.monotonic()
-        self.activity.record(
-            Activity(
-                t=visit.arrived,
-                kind="request",
-                key=visit.key,
-                grp=visit.group,
-                model=visit.model,
-                backend=visit.backend_id,
-                endpoint=visit.endpoint,
-                status=visit.status,
-                dwell_ms=(admitted - visit.arrived_mono) * 1000,
-                duration_ms=(time.monotonic() - visit.arrived_mono) * 1000,
-                ttfb_ms=visit.ttfb_ms,
-                prompt_tokens=m.prompt_tokens,
-                completion_tokens=m.completion_tokens,
-                bytes=m.bytes_in + m.bytes_out if audio else 0,
-                energy_wh=price.energy_wh,
-                cost_usd=price.cost_usd,
-                estimated=m.estimated,
-                degraded=visit.degraded,
-                spilled=visit.spilled,
-                preempted=visit.preempted,
-                error=visit.error[:ERROR_SUMMARY_CHARS] if visit.error else None,
-                request_id=visit.request_id,
-                usr=visit.user,
-            )
-        )
-        return price
+        self._charge(group, self.spend.get(group), holds, usd, now)
+        if key is not None and key_window:
+            self._charge(key_lane(key), self.key_spend.get(key), holds, usd, now)
 
     def _charge(
-        self, lane: str, window: SpendWindow | None, visit: Visit, usd: float, now: float
+        self,
+        lane: str,
+        window: SpendWindow | None,
+        holds: tuple[SpendHold, ...],
+        usd: float,
+        now: float,
     ) -> None:
         """The visit's real cost replaces its reservation in one spend window."""
         if window is None:
             return
-        hold = next((h for h in visit.holds if h.lane == lane), None)
+        hold = next((h for h in holds if h.lane == lane), None)
         if hold is not None and hold.reservation is not None:  # reserved in the shared store
             window.add(usd, now)  # (this gateway's own, for a fallback)
             self.settlements.settle(hold.reservation, usd, now)

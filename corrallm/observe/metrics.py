@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 from bisect import bisect_left
 from collections import Counter, defaultdict
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
 from prometheus_client import CollectorRegistry, generate_latest
@@ -56,28 +56,20 @@ class Observed(Protocol):
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 
-class Metrics:
-    def __init__(self, gateway: Observed) -> None:
-        self.gateway = gateway
+class Tally:
+    """What settled visits add to /metrics: counters by label set and the latency
+    histograms. A relaying worker (`serve --workers N`) keeps its own and hands over what
+    it counted since it last did (`take`); the owner adds that to its own (`add`), so
+    that /metrics shows one gateway while the owner does no per-visit work for it."""
+
+    def __init__(self) -> None:
         self.requests: Counter[tuple[str, str, str, str]] = Counter()
         self.tokens: Counter[tuple[str, str, str]] = Counter()
         self.cost: defaultdict[tuple[str, str], float] = defaultdict(float)
         self.energy: defaultdict[tuple[str, str], float] = defaultdict(float)
         self.preemptions: Counter[str] = Counter()
         self.rejections: Counter[tuple[str, str]] = Counter()
-        self.transitions: Counter[tuple[str, str, str]] = Counter()
-        self.loads: Counter[str] = Counter()
-        self.load_seconds: defaultdict[str, float] = defaultdict(float)
-        self.failures: Counter[tuple[str, str]] = Counter()  # (backend, reason): M4, L3, M5
-        self.sleeps: Counter[str] = Counter()  # W1: real sleeps (asleep, not stopped)
-        self.wakes: Counter[str] = Counter()
-        self.wake_seconds: defaultdict[str, float] = defaultdict(float)
-        self.lanes_ignored: Counter[str] = Counter()  # X3, T5: by why (unsigned, bad, ...)
         self.latency = Latency()
-        self._registry = CollectorRegistry(auto_describe=False)
-        self._registry.register(self)
-
-    # -- fed by the gateway ------------------------------------------------------------
 
     def visit(self, visit: Visit, cost_usd: float, energy_wh: float) -> None:
         backend = visit.backend_id or ""
@@ -92,6 +84,57 @@ class Metrics:
         if visit.status == 429 and visit.error:
             self.rejections[(visit.group, visit.error.split(":", 1)[0])] += 1
         self.latency.observe(visit, time.monotonic())
+
+    def take(self) -> list[Any] | None:
+        """What was counted since the last take, as plain lists (for the hop), the
+        counts starting again from nothing; None if no visit was counted."""
+        if not self.requests:  # every visit counts one request
+            return None
+        counters = (self.requests, self.tokens, self.cost, self.energy)
+        taken = [[[*key, n] for key, n in counter.items()] for counter in counters]
+        taken.append([[group, n] for group, n in self.preemptions.items()])
+        taken.append([[*key, n] for key, n in self.rejections.items()])
+        taken.append([[*key, rows] for key, rows in self.latency.series.items()])
+        Tally.__init__(self)
+        return taken
+
+    def add(self, taken: list[Any]) -> None:
+        """Another process's `take()`, added to these counts."""
+        requests, tokens, cost, energy, preemptions, rejections, latency = taken
+        for counter, items in (
+            (self.requests, requests),
+            (self.tokens, tokens),
+            (self.cost, cost),
+            (self.energy, energy),
+            (self.rejections, rejections),
+        ):
+            for *key, n in items:
+                counter[tuple(key)] += n
+        for group, n in preemptions:
+            self.preemptions[group] += n
+        for model, group, rows in latency:
+            self.latency.add((model, group), rows)
+
+
+class Metrics(Tally):
+    def __init__(self, gateway: Observed) -> None:
+        super().__init__()
+        self.gateway = gateway
+        # What else counts visits (a `--workers` owner's workers): each is asked for what
+        # it counted, and that added here, before /metrics is rendered (`scrape`).
+        self.sources: list[Callable[[], Awaitable[None]]] = []
+        self.transitions: Counter[tuple[str, str, str]] = Counter()
+        self.loads: Counter[str] = Counter()
+        self.load_seconds: defaultdict[str, float] = defaultdict(float)
+        self.failures: Counter[tuple[str, str]] = Counter()  # (backend, reason): M4, L3, M5
+        self.sleeps: Counter[str] = Counter()  # W1: real sleeps (asleep, not stopped)
+        self.wakes: Counter[str] = Counter()
+        self.wake_seconds: defaultdict[str, float] = defaultdict(float)
+        self.lanes_ignored: Counter[str] = Counter()  # X3, T5: by why (unsigned, bad, ...)
+        self._registry = CollectorRegistry(auto_describe=False)
+        self._registry.register(self)
+
+    # -- fed by the gateway ------------------------------------------------------------
 
     def transition(self, sup: Supervisor, old: State, new: State) -> None:
         self.transitions[(sup.id, str(old), str(new))] += 1
@@ -108,6 +151,12 @@ class Metrics:
 
     def render(self) -> bytes:
         return generate_latest(self._registry)
+
+    async def scrape(self) -> bytes:
+        """/metrics: what the `sources` counted added in first, then rendered."""
+        for source in self.sources:
+            await source()
+        return self.render()
 
     # -- read at scrape time ---------------------------------------------------------
 
@@ -310,6 +359,16 @@ class Latency:
                     generating = duration
             if generating > 0:
                 _add(rows[_RATE], RATE_BUCKETS, metered.completion_tokens / generating)
+
+    def add(self, key: tuple[str, str], rows: list[list[float]]) -> None:
+        """Another process's rows of one series (`Tally.take`), added to this one's."""
+        own = self.series.get(key)
+        if own is None:
+            self.series[key] = [list(row) for row in rows]
+            return
+        for mine, theirs in zip(own, rows, strict=True):
+            for i, n in enumerate(theirs):
+                mine[i] += n
 
     def families(self) -> Iterator[HistogramMetricFamily]:
         series = list(self.series.items())  # a copy: visits may add keys meanwhile

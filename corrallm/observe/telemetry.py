@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from typing import Any
 
 from corrallm.auth.keys import UNKNOWN
-from corrallm.cost.ledger import UNKNOWN_MODEL, Ledger, Visit
+from corrallm.cost.ledger import NOTHING, UNKNOWN_MODEL, Ledger, Visit, activity_row
+from corrallm.cost.model import FREE, CostModel, Price
 from corrallm.lifecycle.state import State
 from corrallm.lifecycle.supervisor import Supervisor
 from corrallm.lifecycle.transitions import Transitions
@@ -21,6 +23,16 @@ from corrallm.observe.metrics import Metrics
 from corrallm.scheduler.admission import Admission
 
 log = logging.getLogger("corrallm.lifecycle")
+
+
+def settlement(costs: CostModel, visit: Visit) -> tuple[Price, tuple[Any, ...] | None]:
+    """What the finished visit cost, and its activity row: none for T5's caller nobody
+    configured asking for a model nobody serves (a flood of made-up names, perhaps),
+    only counted under bounded metric labels: it reserved nothing and reached no
+    backend, there is nothing to keep. Pure: a relaying worker settles its own."""
+    if visit.model == UNKNOWN_MODEL and visit.key in (None, UNKNOWN):
+        return FREE, None
+    return activity_row(costs, visit)
 
 
 class Telemetry:
@@ -41,16 +53,20 @@ class Telemetry:
 
     def settle(self, visit: Visit) -> None:
         """A request is over: its cost, spend and activity row (no I/O: rows are batched)."""
-        if visit.model == UNKNOWN_MODEL and visit.key in (None, UNKNOWN):
-            # T5: a caller nobody configured asked for a model nobody serves (a flood of
-            # made-up names, perhaps): counted under bounded metric labels, nothing kept.
-            # It reserved nothing and reached no backend: there is nothing to settle.
-            self.metrics.visit(visit, 0.0, 0.0)
-            return
-        price = self.ledger.settle(visit)
+        price, row = settlement(self.ledger.costs, visit)
         self.metrics.visit(visit, price.cost_usd, price.energy_wh)
+        if row is not None:
+            self.ledger.activity.add(row)
+            m = visit.metered or NOTHING
+            self.charge(visit, price, m.prompt_tokens, m.completion_tokens)
+
+    def charge(
+        self, visit: Visit, price: Price, prompt_tokens: int, completion_tokens: int
+    ) -> None:
+        """A settled visit's spend and its usage event, once its row is written (here, or
+        by the relaying worker that served it, which counted its metrics too)."""
+        self.ledger.charge(visit.group, visit.key, visit.holds, price.cost_usd)
         if self.events.subscribers:
-            m = visit.metered
             self.events.publish(
                 "usage",
                 {
@@ -60,8 +76,8 @@ class Telemetry:
                     "model": visit.model,
                     "backend": visit.backend_id,
                     "status": visit.status,
-                    "prompt_tokens": m.prompt_tokens if m else 0,
-                    "completion_tokens": m.completion_tokens if m else 0,
+                    "prompt_tokens": prompt_tokens,
+                    "completion_tokens": completion_tokens,
                     "cost_usd": price.cost_usd,
                     "energy_wh": price.energy_wh,
                 },

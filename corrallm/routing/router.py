@@ -87,6 +87,18 @@ class ServedModel:
         (X1); the caller checks that a local backend exists. With nothing available at
         all, the primary (local) answers, so the caller hears why.
         """
+        if len(self.routes) == 1:
+            # What `_usable` comes to for one backend, whatever its state (perf, SPEC §13:
+            # most models have one, and this is asked of every request).
+            return [[self.routes[0]]]
+        return self._usable(group, placeable, local_only)
+
+    def _usable(
+        self,
+        group: PriorityGroup | None,
+        placeable: Callable[[Route], bool] | None,
+        local_only: bool,
+    ) -> list[list[Route]]:
         quality = self.primary.config.quality
         usable = [
             [r for r in tier if r.endpoint.available() and not (local_only and r.config.peer)]
@@ -108,4 +120,4 @@ class ServedModel:
         return any(not r.config.peer for r in self.routes)
 
     def degraded(self, route: Route) -> bool:
-        return route.config.quality < self.primary.config.quality
+        return route.config.quality < self.routes[0].config.quality  # (the primary's)

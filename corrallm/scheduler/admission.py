@@ -40,6 +40,13 @@ log = logging.getLogger("corrallm.scheduler")
 
 BUILTIN_DEFAULT = PolicyConfig(queue=True)  # the built-in default group queues (SPEC §2)
 REJECT = PolicyConfig(reject=True)  # a configured group without a "default" policy
+# Every policy there is, made once (a frozen dataclass costs ~20 opcodes a request).
+POLICIES = {
+    (p, s, q): Policy(preempt=p, spill=s, queue=q)
+    for p in (False, True)
+    for s in (False, True)
+    for q in (False, True)
+}
 
 
 class Rejected(Exception):
@@ -119,16 +126,21 @@ class Admission:
         awaited in a task: its `maxWait` is a timeout on that task). The relaying
         workers' owner admits most requests without a task of their own this way."""
         request = Request(next(self._ids), group_name, self.clock())
-        policy = self._policy(group, tiers[0][0].config.type)
+        first = tiers[0][0]
+        policy = self._policy(group, first.config.type)
         # K6: one conversation's key is per served model (a session may span models).
-        session = (tiers[0][0].model, affinity) if affinity is not None else None
-        peers = any(r.config.peer for tier in tiers for r in tier)
+        session = (first.model, affinity) if affinity is not None else None
+        if len(tiers) == 1 and len(tiers[0]) == 1:  # perf (SPEC §13): most models
+            ids, peers = [[first.id]], bool(first.config.peer)
+        else:
+            ids = [[r.id for r in tier] for tier in tiers]
+            peers = any(r.config.peer for tier in tiers for r in tier)
         decision = self.core.submit(
             request,
-            [[r.id for r in tier] for tier in tiers],
+            ids,
             policy,
             self.clock(),
-            self.sessions.get(session),
+            self.sessions.get(session) if session is not None else None,
             ranks(tiers, self.config.peer_order == "first") if peers else None,
         )
         if isinstance(decision, Reject):
@@ -140,7 +152,7 @@ class Admission:
         interruptible = group is not None and group.interruptible
         if stop is None:
             stop = Stop(asyncio.current_task())
-        ticket = Ticket(request.id, group_name, tiers[0][0], interruptible, stop)
+        ticket = Ticket(request.id, group_name, first, interruptible, stop)
         ticket.session = session
         if isinstance(decision, Admit):
             return self._admitted(ticket, decision.backend)
@@ -158,7 +170,9 @@ class Admission:
         if self._running.pop(ticket.id, None) is not None:
             currency = self.core.groups[ticket.group].spec.currency
             usage = float(tokens) if currency == "tokens" else dollars
-            self._dispatch(self.core.release(ticket.id, self.clock(), usage))
+            admits = self.core.release(ticket.id, self.clock(), usage)
+            if admits:
+                self._dispatch(admits)
 
     def evacuate(self, route_ids: set[str]) -> None:
         """X4: the requests running on these routes (a peer that went down) are cancelled,
@@ -286,7 +300,8 @@ class Admission:
     def _admitted(self, ticket: Ticket, backend: str) -> Ticket:
         ticket.route = self.routes[backend]
         self._running[ticket.id] = ticket
-        self.sessions.put(ticket.session, backend)
+        if ticket.session is not None:
+            self.sessions.put(ticket.session, backend)
         return ticket
 
     def _withdraw(self, request_id: int, future: asyncio.Future[str]) -> None:
@@ -305,7 +320,7 @@ class Admission:
         if victim is None or victim.shielded:
             return  # it ends by itself; the hand-off admits the taker then
         # A stop with no task of its own here (a relaying worker's request, held by the
-        # owner: corrallm/workers/owner.py) passes the interrupt on to its worker.
+        # owner: corrallm/workers/held.py) passes the interrupt on to its worker.
         victim.stop.interrupt(Interrupt.PREEMPTED)
 
     def _policy(self, group: PriorityGroup | None, backend_type: str) -> Policy:
@@ -315,7 +330,7 @@ class Admission:
             chosen = group.on_saturated.get(backend_type) or group.on_saturated.get(
                 "default", REJECT
             )
-        return Policy(preempt=chosen.preempt, spill=chosen.spill, queue=chosen.queue)
+        return POLICIES[chosen.preempt, chosen.spill, chosen.queue]
 
 
 def _end(lease: Lease, now: float) -> None:

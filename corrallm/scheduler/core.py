@@ -124,7 +124,8 @@ class Scheduler:
         backend of the first tier has fewer waiting.
         """
         group = self.groups[request.group]
-        self._activate(group, now)
+        if not (group.in_flight or group.waiting):
+            self._activate(group, now)
         for position, tier in enumerate(tiers):
             if backend := self._least_loaded(tier, request.group, prefer, rank):
                 return self._admit(request, backend, now)
@@ -133,9 +134,23 @@ class Scheduler:
             if policy.spill and position + 1 < len(tiers):
                 continue
             break
-        assert tiers and tiers[0], "a request needs at least one backend"
-        first = [self.backends[b] for b in tiers[0]]
-        if prefer in tiers[0]:  # K6: a tie on waiting goes to the conversation's backend
+        return self._queue(request, group, tiers[0], policy, now, prefer)
+
+    def _queue(
+        self,
+        request: Request,
+        group: Group,
+        tier: Sequence[str],
+        policy: Policy,
+        now: float,
+        prefer: str | None,
+    ) -> Decision:
+        """No room on its tiers: it queues on the first tier's backend with the fewest
+        waiting, or is refused as its policy says (S2, S5). (Apart from `submit`, whose
+        admissions then make no closures: perf, SPEC §13.)"""
+        assert tier, "a request needs at least one backend"
+        first = [self.backends[b] for b in tier]
+        if prefer in tier:  # K6: a tie on waiting goes to the conversation's backend
             first.sort(key=lambda b: b.id != prefer)
         home = min(first, key=lambda b: b.waiting)
         if not policy.queue:
@@ -163,7 +178,8 @@ class Scheduler:
         group.admitted_sum -= running.admitted
         held = now - running.admitted
         backend.service = _average(backend.service, held)
-        charge = {"requests": 0.0, "slotSeconds": held}.get(group.spec.currency, usage)
+        currency = group.spec.currency
+        charge = 0.0 if currency == "requests" else held if currency == "slotSeconds" else usage
         group.decayed(now)
         group.usage += charge
         return self._fill(backend, now)
@@ -292,6 +308,22 @@ class Scheduler:
         """A backend of the tier this group may enter now: among the best ranked (X2), the
         preferred one if it may (K6), else the fewest in flight, then in turn. A rank
         comes first: a conversation does not wait on a busy peer while another is free."""
+        if len(tier) == 1:  # perf (SPEC §13): what `_choose` comes to for one backend
+            only = self.backends[tier[0]]
+            if not only.room_for(group) or (only.queued and self._waiters_fit(only)):
+                return None
+            if prefer != only.id:  # (the preferred one is taken without a turn)
+                self._turn += 1
+            return only
+        return self._choose(tier, group, prefer, rank)
+
+    def _choose(
+        self,
+        tier: Sequence[str],
+        group: str,
+        prefer: str | None,
+        rank: Mapping[str, tuple[float, ...]] | None,
+    ) -> Backend | None:
         open_ = [
             self.backends[b]
             for b in tier
@@ -311,6 +343,8 @@ class Scheduler:
 
     def _waiters_fit(self, backend: Backend) -> bool:
         """Someone already waiting could take the free slot: a newcomer must not jump it (S1)."""
+        if not backend.queued:  # every request in `queues` is in `queued`: nobody waits
+            return False
         return any(q and backend.room_for(g) for g, q in backend.queues.items())
 
     def _victim(self, tier: Sequence[str], taker: GroupSpec) -> Running | None:

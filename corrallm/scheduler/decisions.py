@@ -1,4 +1,8 @@
-"""What the scheduling core is told and what it answers: specs, requests, decisions."""
+"""What the scheduling core is told and what it answers: specs, requests, decisions.
+
+Requests and decisions are values nothing changes once made, but not frozen dataclasses:
+one is made for every request (SPEC §13), and a frozen one's `__init__` sets each field
+through `object.__setattr__`, about 100 ns a field."""
 
 from __future__ import annotations
 
@@ -24,7 +28,7 @@ class Policy:
     queue: bool = False
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Request:
     id: int
     group: str
@@ -34,19 +38,19 @@ class Request:
 # -- decisions -------------------------------------------------------------------------
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Admit:
     request: int
     backend: str
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Queued:
     request: int
     backend: str
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Preempt:
     """Take `victim`'s slot on `backend`; `request` is admitted once the victim releases."""
 
@@ -55,7 +59,7 @@ class Preempt:
     backend: str
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Reject:
     request: int
     backend: str

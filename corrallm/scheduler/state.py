@@ -58,6 +58,8 @@ class Backend:
 
     def held_for_others(self, group: str) -> int:
         """Reserved slots of other lanes that those lanes are not using (V2)."""
+        if not self.leases:
+            return 0
         return sum(
             max(0, slots - self.in_flight_of(owner))
             for owner, (slots, _) in self.leases.items()
@@ -72,4 +74,6 @@ class Backend:
 
     def room_for(self, group: str) -> bool:
         busy = len(self.running) + len(self.handoffs)
+        if not self.leases:  # perf (SPEC §13): nothing reserved, the common case
+            return busy < self.capacity
         return busy + self.held_for_others(group) < self.capacity

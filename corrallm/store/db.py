@@ -3,9 +3,12 @@
 `Store` is the one API every caller uses (`open`, `close`, `execute`, `execute_many`,
 `execute_batches`, `transact`, `query`, `listen`; rows read as `row["col"]`), and this
 class is its embedded implementation: one SQLite file under the home folder (WAL mode),
-one owner thread. Every statement runs on that thread, so the event loop never blocks on
-disk and there is exactly one writer. `PostgresStore` (store/postgres.py) is the shared
-one, for several gateways: same methods, same statements, its dialect translating them.
+one owner thread per process. Every statement runs on that thread, so the event loop
+never blocks on disk and a process has one writer (under `serve --workers N` each
+worker writes its own requests' activity rows too: SQLite takes the processes' write
+transactions in turn, each waiting up to its busy timeout). `PostgresStore`
+(store/postgres.py) is the shared one, for several gateways: same methods, same
+statements, its dialect translating them.
 `store/location.py`'s `store_at(db)` picks one from `--db`.
 
 The schema is versioned: `MIGRATIONS[i]` takes the file from version i to i+1 (kept in

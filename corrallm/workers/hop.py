@@ -18,7 +18,7 @@ import asyncio
 import enum
 import struct
 import types
-from collections.abc import Coroutine, Generator
+from collections.abc import Callable, Coroutine, Generator
 from typing import Any, cast
 
 import orjson
@@ -31,31 +31,34 @@ class Kind(enum.IntEnum):
     JOIN = 1  # [index, pid]: a worker says who it is, once
     ACQUIRE = 3  # [its live entry the first time, model, max tokens, session, hop]:
     # the pause, limits, spend, a slot and a ready backend for it
-    RELEASE = 4  # [tokens, dollars]: its slot is given back
+    RELEASE = 4  # [tokens, dollars]: its slot is given back (when no DONE follows at once)
     REQUEUE = 5  # preempted before it sent anything: queued again
     WITHDRAW = 6  # it stopped waiting (its client left, or it was cancelled)
-    DONE = 7  # [its live entry if never sent, status, error, metered..., ttfb, waited]
+    DONE = 7  # [its live entry if never sent, status, prompt and completion tokens, cost,
+    # energy, its RELEASE or null, whether it has a row]: settled by the worker (its price,
+    # activity row and metrics), only charged here (spend windows, usage event)
     CAPTURE = 8  # pickle: a capture record for the owner's ring (O2)
     PROGRESS = 9  # [[request, events relayed], ...]: tokens so far of its answers (O1)
+    COUNTED = 10  # metrics.Counts.take() (or nothing): its visits' metrics since it last
+    # sent them; request number 0 every PROGRESS_SECONDS, else the owner's TALLY's
     # owner -> worker
     HELLO = 20  # pickle: the worker's brief (config, address, admin token)
     CONFIG = 21  # pickle: the config now in force (a reload)
     KEYS = 27  # pickle: the runtime keys and refused secrets now (T2: made, rotated, revoked)
     COUNTS = 28  # [[subjects], [[header, value], ...]]: a key's x-ratelimit-* counts now
     QUEUED = 22  # [ticket, backend, position, waiting, eta]
-    ADMITTED = 24  # [route id, base url, ticket, preemptible, rate-limit headers, load ms]
+    ADMITTED = 24  # [route id, base url, ticket, preemptible, rate-limit headers, load ms,
+    # admitted (monotonic), spilled]
     REFUSED = 25  # the ApiError's fields: the surface renders it
     INTERRUPT = 26  # [reason, detail]: preempted, cancelled, its peer down
+    TALLY = 29  # /metrics is read: what it counted, now (COUNTED, this request number)
 
 
 def frame(kind: Kind, rid: int, payload: bytes = b"") -> bytes:
     return HEAD.pack(len(payload), kind, rid) + payload
 
 
-def encode(value: Any) -> bytes:
-    return orjson.dumps(value)
-
-
+encode: Callable[[Any], bytes] = orjson.dumps
 decode = orjson.loads
 
 
@@ -73,18 +76,20 @@ class Link(asyncio.Protocol):
         self._loop = asyncio.get_running_loop()
 
     def data_received(self, data: bytes) -> None:
-        buffer = self._buffer
-        buffer += data
-        at, size = 0, len(buffer)
+        if self._buffer:  # the rest of a frame that came in parts
+            self._buffer += data
+            data = bytes(self._buffer)
+            self._buffer.clear()
+        at, size = 0, len(data)
         while size - at >= 9:
-            length, kind, rid = HEAD.unpack_from(buffer, at)
+            length, kind, rid = HEAD.unpack_from(data, at)
             end = at + 9 + length
             if end > size:
                 break
-            self.frame(kind, rid, bytes(buffer[at + 9 : end]))
+            self.frame(kind, rid, data[at + 9 : end])
             at = end
-        if at:
-            del buffer[:at]
+        if at < size:  # most reads end on a frame's end: nothing is copied to the buffer
+            self._buffer += memoryview(data)[at:]
 
     def frame(self, kind: int, rid: int, payload: bytes) -> None:
         raise NotImplementedError
@@ -93,7 +98,7 @@ class Link(asyncio.Protocol):
         if not self._out:
             assert self._loop is not None
             self._loop.call_soon(self._flush)
-        self._out.append(frame(kind, rid, payload))
+        self._out.append(HEAD.pack(len(payload), kind, rid) + payload)  # (a frame)
 
     def flush_now(self) -> None:
         if self._out:

@@ -1,53 +1,31 @@
-"""The owner's end of the hop (`serve --workers N`): each worker's requests, as the one
-owner of state holds them.
-
-A worker asks for what only the owner may decide, in the pipeline's order: a request
-is entered in the live list (`OPEN`), then `ACQUIRE` runs the gates that read state —
-the pause, the key's rate windows and spend (T3, S6), a slot (the `Admission` every
-request of every worker shares) and a ready backend (loads happen here, once) — and
-answers `ADMITTED` with the route and its URL, or `REFUSED` with the error the surface
-renders. `RELEASE` and `DONE` (the visit settled: the ledger, metrics, the activity row)
-are never waited for. Preemption, an operator's cancel and a peer going down are
-`INTERRUPT`s sent to the worker holding the request (its `RemoteStop`).
-
-A worker that goes away (killed, crashed) ends its connection: everything it held is
-let go at once — slots, backends' in-flight counts, rate-limit holds — and settled as
-499s, so nothing leaks (the pool respawns it: corrallm/workers/pool.py).
+"""The owner of state's hop server (`serve --workers N`): a `WorkerLink` (held.py) per
+connected worker, the brief each worker joins with, and what goes to every worker — the
+config after a reload, the runtime keys when they change, a limited key's counts — or
+is asked of every one: their metrics whenever /metrics is read (`TALLY`, answered by
+`COUNTED`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import pickle
-import time
-from collections.abc import Awaitable, Coroutine, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any
 
-from corrallm.auth.limits import Hold
-from corrallm.auth.throttle import asks_of
-from corrallm.cost.ledger import Visit
-from corrallm.cost.model import Metered
-from corrallm.http.errors import ApiError, not_found, quoted
-from corrallm.lifecycle.errors import RETIRED
-from corrallm.observe.live import LiveRequest
-from corrallm.proxy.pipeline import enter_ready, ready
-from corrallm.proxy.refusals import model_paused, rate_limited, spend_limited, too_many_requests
-from corrallm.scheduler.admission import Rejected
-from corrallm.scheduler.ticket import Interrupt, Stop, Ticket
-from corrallm.workers.hop import Kind, Link, decode, eager, encode
+from corrallm.workers.held import WorkerLink
+from corrallm.workers.hop import Kind, encode
 
 if TYPE_CHECKING:
-    from corrallm.auth.keys import Identity
     from corrallm.auth.limits import Ask
-    from corrallm.config.schema import PriorityGroup
     from corrallm.gateway import Gateway
-    from corrallm.routing.router import Endpoint, Route, ServedModel
     from corrallm.topology import Topology
 
 log = logging.getLogger("corrallm.workers")
-T = TypeVar("T")
+
+TALLY_SECONDS = 2.0  # how long /metrics waits for a worker's counts
 
 
 @dataclass(frozen=True)
@@ -59,414 +37,7 @@ class Brief:
     admin_token: str
     version: int
     keys: Any  # T2: KeyRing.runtime(), the keys made through the API and refused secrets
-
-
-class RemoteStop(Stop):
-    """A worker's request's stop, at the owner: an interrupt is passed to its worker,
-    which records it on the request's own `Stop` there (and decides, as in process,
-    whether a preemption may cut the answer)."""
-
-    __slots__ = ("held",)
-
-    def __init__(self, held: Held) -> None:
-        super().__init__(None)
-        self.held = held
-
-    def interrupt(self, reason: Interrupt, detail: str = "") -> bool:
-        self.note(reason, detail)
-        self.held.link.send(Kind.INTERRUPT, self.held.rid, encode([int(reason), detail]))
-        return True
-
-    def cancel(self) -> bool:
-        return self.interrupt(Interrupt.CANCELLED)
-
-
-@dataclass(frozen=True, slots=True)
-class Relayed:
-    """What a worker last said of an answer it relays (the live list's tokens so far)."""
-
-    events: int
-
-
-class Held:
-    """One request of one worker, from its `OPEN` to its `DONE`."""
-
-    __slots__ = (
-        "entered",
-        "first",
-        "gone",
-        "group",
-        "headers",
-        "hop",
-        "identity",
-        "limit",
-        "limits",
-        "link",
-        "live",
-        "load_ms",
-        "passed",
-        "rid",
-        "session",
-        "stop",
-        "task",
-        "ticket",
-        "visit",
-        "waiting",
-    )
-
-    def __init__(self, link: WorkerLink, rid: int, visit: Visit, live: LiveRequest) -> None:
-        self.link, self.rid, self.visit, self.live = link, rid, visit, live
-        self.group: PriorityGroup | None = None
-        self.identity: Identity | None = None
-        self.limit: int | None = None  # the completion tokens it asks for (estimates)
-        self.session: str | None = None  # K6
-        self.hop = False  # it came from another gateway (X1)
-        self.stop = RemoteStop(self)
-        self.ticket: Ticket | None = None  # the slot it holds
-        self.entered: Endpoint | None = None  # the backend it is counted in flight on
-        self.limits: Hold | None = None  # T3: its place in its key's windows
-        self.passed = False  # its limits and spend were checked (once, however routed)
-        self.headers: list[tuple[str, str]] | None = None  # T3: x-ratelimit-* for the answer
-        self.task: asyncio.Task[None] | None = None  # an acquire that waits (kept alive)
-        self.waiting: asyncio.Task[Any] | None = None  # what it waits for in there
-        self.gone = False  # the worker no longer waits for its acquire
-        self.first: list[Route] = []  # the first tier it was offered (what spilled means)
-        self.load_ms = 0.0
-
-
-class WorkerLink(Link):
-    """The owner's end of one worker's hop connection."""
-
-    def __init__(self, owner: Owner) -> None:
-        super().__init__()
-        self.owner = owner
-        self.gw = owner.gateway
-        self.held: dict[int, Held] = {}
-        self.index = -1
-        self.pid = 0
-
-    # -- frames in ---------------------------------------------------------------------
-
-    def frame(self, kind: int, rid: int, payload: bytes) -> None:
-        try:
-            if kind == Kind.ACQUIRE:
-                opening, model, limit, session, hop = decode(payload)
-                held = self._open(rid, opening) if opening is not None else self.held[rid]
-                held.visit.model, held.limit, held.session, held.hop = model, limit, session, hop
-                held.gone = False
-                held.task = eager(self._acquire(held, None))
-            elif kind == Kind.RELEASE:
-                tokens, dollars = decode(payload)
-                self._release(self.held[rid], tokens, dollars)
-            elif kind == Kind.DONE:
-                self._done(rid, decode(payload))
-            elif kind == Kind.REQUEUE:
-                held = self.held[rid]
-                self._leave(held)
-                held.task = eager(self._acquire(held, held.ticket))
-            elif kind == Kind.WITHDRAW:
-                self._let_go(self.held[rid])
-            elif kind == Kind.PROGRESS:
-                for rid_, events in decode(payload):
-                    relayed = self.held.get(rid_)
-                    if relayed is not None:
-                        relayed.live.meter = Relayed(events)
-            elif kind == Kind.CAPTURE:
-                self.gw.captures.ring.add(pickle.loads(payload))
-            elif kind == Kind.JOIN:
-                self.index, self.pid = decode(payload)
-                self.owner.joined(self)
-            else:
-                log.warning("worker %d sent an unknown message kind %d", self.index, kind)
-        except Exception:
-            log.exception("worker %d: message %d for request %d failed", self.index, kind, rid)
-
-    def _open(self, rid: int, fields: list[Any]) -> Held:
-        visit = _visit(fields)
-        held = Held(self, rid, visit, self.gw.live.add(LiveRequest(visit, None)))
-        held.live.stop = held.stop.cancel
-        held.group = self.gw.config.priority_groups.get(visit.group)
-        key = visit.key
-        held.identity = self.gw.keys.named(key) if key is not None else None
-        self.held[rid] = held
-        return held
-
-    # -- acquire: the gates that read state, in the pipeline's order ---------------------
-
-    async def _acquire(self, held: Held, requeued: Ticket | None) -> None:
-        gw, visit = self.gw, held.visit
-        loaded = held.load_ms  # what earlier acquires of it waited for loads (S4)
-        try:
-            served = self._served(visit.model)
-            if requeued is not None:
-                ticket = held.ticket = await self._wait(
-                    held, gw.admission.requeue(requeued, held.group)
-                )
-                self._still(held)
-            else:
-                if gw.paused("model", served.name):
-                    raise model_paused(served.name, gw.pause_remaining("model", served.name))
-                tiers = served.tiers_for(held.group, gw.placeable, held.hop)
-                held.first = tiers[0]
-                if not held.passed:
-                    if self._limited(held):
-                        limits = self._limits(held, tiers[0][0])
-                        # In memory these wait for nothing; a shared store's round trip
-                        # has a timeout, which needs a task of its own.
-                        await (self._wait(held, limits) if gw.store.dialect.shared else limits)
-                        self._still(held)
-                    held.passed = True
-                got = self._queue(held, tiers)
-                ticket = held.ticket = got if isinstance(got, Ticket) else await got
-                self._still(held)
-            while True:
-                route = ticket.route
-                if gw.stale(route):  # P6: a reload took its backend while it waited
-                    gw.admission.release(ticket)
-                    held.ticket = None
-                    served = self._served(served.name)
-                    tiers = served.tiers_for(held.group, gw.placeable, held.hop)
-                    held.first = tiers[0]
-                    if all(gw.stale(r) for tier in tiers for r in tier):
-                        await self._wait(held, ready(tiers[0][0]))  # raises why
-                    got = self._queue(held, tiers)
-                    ticket = held.ticket = got if isinstance(got, Ticket) else await got
-                    self._still(held)
-                    continue
-                endpoint = route.endpoint
-                visit.admitted_mono = visit.admitted_mono or time.monotonic()
-                if not endpoint.enter():
-                    held.live.state = "loading"
-                    began = time.monotonic()
-                    try:
-                        cause = (visit.key, visit.group, served.name)
-                        await self._wait(held, enter_ready(route, cause))
-                    except ApiError as exc:
-                        if exc.code == RETIRED and gw.stale(route):
-                            continue
-                        raise
-                    finally:
-                        held.load_ms += (time.monotonic() - began) * 1000
-                held.entered = endpoint
-                self._still(held)
-                break
-            self._admitted(held, served, ticket, held.load_ms - loaded)
-        except Rejected as exc:
-            self._refuse(held, too_many_requests(exc))
-        except ApiError as exc:
-            self._refuse(held, exc)
-        except _Withdrawn:
-            self._release(held)  # what it got as it went (`_let_go` gave back the rest)
-        except Exception:
-            log.exception("request=%s: acquiring for a worker failed", visit.request_id)
-            self._refuse(held, ApiError(500, "corrallm hit an unexpected error admitting it."))
-        finally:
-            held.task = None
-
-    def _served(self, model: str) -> ServedModel:
-        """The worker found `model` in its topology: here it can be missing only when a
-        reload took it away meanwhile (P6)."""
-        served = self.gw.models.get(model)
-        if served is None:
-            raise not_found(
-                f"The model '{quoted(model)}' was removed by a config reload while this "
-                "request waited. GET /v1/models lists the models served.",
-                code="model_not_found",
-            )
-        return served
-
-    async def _limits(self, held: Held, first: Route) -> None:
-        """T3 then S6: the key's (and its user's) rate windows, then the spend windows."""
-        gw, visit, identity = self.gw, held.visit, held.identity
-        if identity is not None and identity.limits is not None:
-            asks = asks_of(identity, visit.user)
-            if asks:
-                estimate = gw.ledger.costs.estimate_tokens(first.config, visit.bytes_in, held.limit)
-                verdict = gw.throttle.admit_now(asks, estimate)
-                if verdict is None:
-                    verdict = await gw.throttle.admit(asks, estimate)
-                if not isinstance(verdict, Hold):
-                    refused, remaining = verdict
-                    held.headers = _text(remaining.headers())
-                    self.owner.counts(asks, held.headers)
-                    raise rate_limited(identity.name, refused)
-                held.limits = verdict
-                held.headers = _text(verdict.headers)
-                self.owner.counts(asks, held.headers)
-        key_limit = identity.spend_limit if identity is not None else None
-        over = await gw.ledger.reserve(visit, first.config, held.limit, key_limit)
-        if over is not None:
-            raise spend_limited(over)
-
-    def _limited(self, held: Held) -> bool:
-        """Whether the request has limits to pass: its key's rate windows (T3), or a spend
-        window of its lane or key (S6). Most have none: no coroutine for them."""
-        identity = held.identity
-        if identity is not None and (identity.limits is not None or identity.spend_limit):
-            return True
-        return held.visit.group in self.gw.ledger.spend
-
-    def _queue(self, held: Held, tiers: list[list[Route]]) -> Ticket | Awaitable[Ticket]:
-        """A slot, decided now (most requests get one without a task or a coroutine); a
-        wait for one in a task of its own (its maxWait is a timeout on it)."""
-
-        def queued(ticket_id: int) -> None:
-            core, backend = self.gw.admission.core, tiers[0][0].id
-            place = core.position(ticket_id)
-            where, position, waiting = place or (backend, 0, core.load(backend)[2])
-            note = [ticket_id, where, position, waiting, core.retry_after(where)]
-            self.send(Kind.QUEUED, held.rid, encode(note))
-
-        visit = held.visit
-        got = self.gw.admission.submit(
-            visit.group, held.group, tiers, held.session, queued, held.stop
-        )
-        return got if isinstance(got, Ticket) else self._wait(held, got)
-
-    async def _wait(self, held: Held, coro: Coroutine[Any, Any, T]) -> T:
-        """What may really wait (a queue, a load, a shared store's round trip) runs in a
-        task of its own: asyncio's timeouts need one (`eager` ran the rest in place),
-        and it is what `_let_go` cancels when the worker stops waiting (the admission
-        then hands on a slot granted in the same instant). Never the acquire itself:
-        what the wait got as it was let go is given back by the acquire."""
-        task: asyncio.Task[T] = asyncio.ensure_future(coro)
-        held.waiting = task
-        try:
-            return await task
-        except asyncio.CancelledError:
-            if held.gone:
-                raise _Withdrawn from None
-            raise
-        finally:
-            held.waiting = None
-
-    @staticmethod
-    def _still(held: Held) -> None:
-        """After a wait: the worker still waits for this request."""
-        if held.gone:
-            raise _Withdrawn
-
-    def _admitted(self, held: Held, served: ServedModel, ticket: Ticket, loaded: float) -> None:
-        """`loaded`: the ms this acquire waited for its backend's load (the worker's
-        K4 headers and E2 spans tell it as load time)."""
-        visit, route = held.visit, ticket.route
-        visit.backend, visit.backend_id = route.config, route.id
-        visit.degraded = served.degraded(route)
-        visit.spilled = route not in held.first
-        held.live.state = "running"
-        answer = [
-            route.id,
-            route.endpoint.base_url,
-            ticket.id,
-            ticket.preemptible,
-            held.headers,
-            loaded,
-        ]
-        self.send(Kind.ADMITTED, held.rid, encode(answer))
-
-    def _refuse(self, held: Held, error: ApiError) -> None:
-        self._release(held)
-        fields = [
-            error.status,
-            error.message,
-            error.code,
-            error.type,
-            error.param,
-            error.headers,
-            error.extra,
-            error.recorded,
-            held.headers,
-        ]
-        self.send(Kind.REFUSED, held.rid, encode(fields))
-
-    # -- giving back -----------------------------------------------------------------------
-
-    def _leave(self, held: Held) -> None:
-        if held.entered is not None:
-            held.entered.leave()
-            held.entered = None
-
-    def _release(self, held: Held, tokens: int = 0, dollars: float = 0.0) -> None:
-        self._leave(held)
-        if held.ticket is not None:
-            self.gw.admission.release(held.ticket, tokens, dollars)
-            held.ticket = None
-
-    def _let_go(self, held: Held) -> None:
-        """Whatever it holds is given back (it stopped waiting, or is over, or its worker
-        is gone); a wait under way is cancelled."""
-        held.gone = True
-        if held.waiting is not None:
-            # Cancelled on the loop's next turn: a task cancelled before its first turn
-            # never runs its coroutine, and the admission's wait must run to withdraw.
-            asyncio.get_running_loop().call_soon(held.waiting.cancel)
-        self._release(held)
-
-    def _done(self, rid: int, fields: list[Any]) -> None:
-        (
-            opening,
-            status,
-            error,
-            prompt,
-            completion,
-            b_in,
-            b_out,
-            estimated,
-            ttfb,
-            preempted,
-            waited,
-        ) = fields
-        held = self.held.pop(rid, None)
-        if held is None:  # refused before it asked for a slot (a gate read from the config)
-            visit = _visit(opening)
-        else:
-            visit = held.visit
-            visit.load_ms = held.load_ms
-            visit.queue_ms = max(0.0, waited - held.load_ms)
-        visit.status, visit.error, visit.ttfb_ms, visit.preempted = status, error, ttfb, preempted
-        if prompt is not None:
-            visit.metered = Metered(prompt, completion, b_in, b_out, estimated)
-        if held is None:
-            self.gw.settle(visit)
-        else:
-            self._settle(held)
-
-    def _settle(self, held: Held) -> None:
-        visit, gw = held.visit, self.gw
-        self._let_go(held)
-        if held.limits is not None:
-            gw.throttle.release(held.limits, visit.metered.tokens if visit.metered else 0)
-            held.limits = None
-        gw.live.leave(held.live)
-        gw.settle(visit)
-
-    # -- the connection ------------------------------------------------------------------
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        held, self.held = self.held, {}
-        for one in held.values():
-            one.visit.status = one.visit.status or 499
-            one.visit.error = one.visit.error or "its worker process ended mid-request"
-            self._settle(one)
-        self.owner.left(self, len(held))
-
-
-class _Withdrawn(Exception):
-    """The worker stopped waiting for the acquire under way (`WITHDRAW`, `DONE`, or the
-    end of its connection)."""
-
-
-def _visit(fields: list[Any]) -> Visit:
-    """The visit a worker opened: [key, group, model, endpoint, bytes in, request id,
-    stream, user, arrived, arrived (monotonic)]."""
-    key, group, model, endpoint, size, request_id, stream, user, arrived, arrived_mono = fields
-    visit = Visit(key, group, model, endpoint, size, arrived, arrived_mono)
-    visit.request_id, visit.stream, visit.user = request_id, stream, user
-    return visit
-
-
-def _text(headers: list[tuple[bytes, bytes]]) -> list[tuple[str, str]]:
-    return [(k.decode("latin-1"), v.decode("latin-1")) for k, v in headers]
+    db: str  # the store: an SQLite file's path or a PostgreSQL URL (its activity rows)
 
 
 class Owner:
@@ -481,11 +52,15 @@ class Owner:
         self.joins: dict[int, asyncio.Event] = {}
         gateway.swapped.append(self._swapped)
         gateway.keys.changed.append(self._keys_changed)
+        gateway.metrics.sources.append(self.tally)
         self._keys_due = False
+        self._asks = itertools.count(1)
 
     def brief(self) -> bytes:
         gw = self.gateway
-        brief = Brief(gw.config, self.addr, self.admin_token, gw.version, gw.keys.runtime())
+        brief = Brief(
+            gw.config, self.addr, self.admin_token, gw.version, gw.keys.runtime(), str(gw.db)
+        )
         return pickle.dumps(brief)
 
     async def listen(self, path: str) -> None:
@@ -513,6 +88,23 @@ class Owner:
                 link.pid,
                 held,
             )
+
+    async def tally(self) -> None:
+        """/metrics is read: every worker's metrics counted since it last sent them are
+        added to the owner's first (`TALLY`, answered by `COUNTED`), so that a request
+        answered before the scrape is in it. A worker that does not answer within
+        TALLY_SECONDS is rendered as last heard."""
+        loop = asyncio.get_running_loop()
+        waits = []
+        for link in self.links:
+            ask = next(self._asks) & 0xFFFFFFFF or 1
+            asked = link.asked[ask] = loop.create_future()
+            waits.append(asked)
+            link.send(Kind.TALLY, ask)
+        if waits:
+            _, late = await asyncio.wait(waits, timeout=TALLY_SECONDS)
+            if late:
+                log.warning("%d workers did not send their metrics for /metrics", len(late))
 
     def counts(self, asks: Sequence[Ask], headers: list[tuple[str, str]]) -> None:
         """T3: a key's counts as they are after this admission, for every worker: the

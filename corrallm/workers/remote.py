@@ -4,7 +4,13 @@ and what only the owner of state may decide it asks across the hop.
 Read here, from the same config as the owner's: the topology (`mirror.py`), callers and
 keys, prices. Asked of the owner: admission with everything that reads state (pauses,
 rate windows, spend, slots, loads: one `ACQUIRE`, answered once the backend is ready),
-and the live list. Told, never waited for: `RELEASE`, `DONE` (the settle) and captures.
+and the live list. Told, never waited for: `RELEASE`, `DONE` and captures. A request is
+settled here, as a single process settles it (its price, activity row and metrics are
+the config's arithmetic): the row goes to this worker's own batched writer (the store's
+upserts add, as several gateways' writers do on a shared store, SPEC §19 X5), the
+metrics reach the owner's /metrics in bulk (`COUNTED`, every PROGRESS_SECONDS and
+whenever it is read), and its `DONE` carries only what the owner keeps: its slot and
+live entry given back, its cost for the spend windows.
 
 Each request's hop state (`Pending`) is found through a context variable its live entry
 sets: every member the pipeline calls for a request runs in that request's task.
@@ -33,10 +39,14 @@ from corrallm.http.errors import ApiError
 from corrallm.observe.captures import Captures
 from corrallm.observe.context import CURRENT as EXCHANGE
 from corrallm.observe.live import LiveRequest
+from corrallm.observe.metrics import Tally
 from corrallm.observe.ring import Record, Ring
+from corrallm.observe.telemetry import settlement
 from corrallm.observe.traces import Tracer, retrace
 from corrallm.routing.router import Route, ServedModel
 from corrallm.scheduler.ticket import Interrupt, Stop, Ticket
+from corrallm.store.activity import ActivityLog
+from corrallm.store.db import Store
 from corrallm.workers.hop import Kind, Link, decode, encode
 from corrallm.workers.mirror import Mirror, mirrored
 
@@ -46,7 +56,17 @@ log = logging.getLogger("corrallm.workers")
 class Pending:
     """One request of this worker, from its live entry to its settle."""
 
-    __slots__ = ("future", "limit", "live", "on_queued", "opened", "rid", "stop", "ticket")
+    __slots__ = (
+        "future",
+        "limit",
+        "live",
+        "on_queued",
+        "opened",
+        "rid",
+        "spilled",
+        "stop",
+        "ticket",
+    )
 
     def __init__(self, rid: int, live: LiveRequest) -> None:
         self.rid, self.live = rid, live
@@ -56,6 +76,7 @@ class Pending:
         self.ticket: Ticket | None = None  # the slot the owner gave it
         self.on_queued: Callable[[int], None] | None = None
         self.future: asyncio.Future[tuple[int, list[Any]]] | None = None
+        self.spilled = False  # R2, as the owner's tiers said when it admitted it
 
     def opening(self) -> list[Any] | None:
         """What the owner needs to enter it in the live list, the first time only."""
@@ -107,6 +128,29 @@ class OwnerLink(Link):
         super().__init__()
         self.runtime = runtime
         self.pending: dict[int, Pending] = {}
+        self.released: dict[int, list[Any]] = {}  # RELEASEs a DONE may still carry
+
+    def release(self, rid: int, tokens: int, dollars: float) -> None:
+        """A slot given back: the request's `DONE` carries it when it follows in the same
+        step of its task, as it does when a request ends (one message, not two); else it
+        goes as a `RELEASE` of its own, before anything else said of that request."""
+        if not self.released:
+            assert self._loop is not None
+            self._loop.call_soon(self._unclaimed)
+        self.released[rid] = [tokens, dollars]
+
+    def claim(self, rid: int) -> list[Any] | None:
+        return self.released.pop(rid, None) if self.released else None
+
+    def _unclaimed(self) -> None:
+        released, self.released = self.released, {}
+        for rid, given in released.items():
+            super().send(Kind.RELEASE, rid, encode(given))
+
+    def send(self, kind: Kind, rid: int, payload: bytes = b"") -> None:
+        if self.released and rid in self.released:
+            super().send(Kind.RELEASE, rid, encode(self.released.pop(rid)))
+        super().send(kind, rid, payload)
 
     def frame(self, kind: int, rid: int, payload: bytes) -> None:
         if kind == Kind.CONFIG:
@@ -118,6 +162,9 @@ class OwnerLink(Link):
         if kind == Kind.COUNTS:
             subjects, headers = decode(payload)
             self.runtime.throttle.heard[tuple(subjects)] = _raw(headers)
+            return
+        if kind == Kind.TALLY:
+            self.counted(rid)
             return
         pending = self.pending.get(rid)
         if pending is None:
@@ -154,11 +201,19 @@ class OwnerLink(Link):
             return  # S4: it ends by itself; the owner admits the taker then
         pending.stop.interrupt(reason, detail)
 
+    def counted(self, rid: int) -> None:
+        """The metrics counted since they were last sent (`rid` 0: unasked)."""
+        taken = self.runtime.counts.take()
+        if taken is not None or rid:
+            self.send(Kind.COUNTED, rid, b"" if taken is None else encode(taken))
+
     async def report(self) -> None:
         """O1: every `PROGRESS_SECONDS`, the events relayed so far of each answer under
-        way (the owner's live list shows them as tokens so far); nothing when none is."""
+        way (the owner's live list shows them as tokens so far); nothing when none is.
+        And the metrics counted meanwhile: a worker that dies loses at most these."""
         while True:
             await asyncio.sleep(PROGRESS_SECONDS)
+            self.counted(0)
             counts = [
                 [p.rid, p.live.meter.events]
                 for p in self.pending.values()
@@ -198,7 +253,7 @@ class RemoteAdmission:
     def release(self, ticket: Ticket, tokens: int = 0, dollars: float = 0.0) -> None:
         pending = CURRENT.get()
         pending.ticket = None
-        self.link.send(Kind.RELEASE, pending.rid, encode([tokens, dollars]))
+        self.link.release(pending.rid, tokens, dollars)
 
     async def requeue(self, ticket: Ticket, group: PriorityGroup | None) -> Ticket:
         pending = CURRENT.get()
@@ -226,8 +281,12 @@ class RemoteAdmission:
             error = ApiError(status, message, code, type=type_, param=param, headers=headers)
             error.extra, error.recorded = extra, recorded
             raise error
-        route_id, url, ticket_id, preemptible, counts, loaded = fields
+        route_id, url, ticket_id, preemptible, counts, loaded, admitted, spilled = fields
         self.core.places.pop(ticket_id, None)
+        visit = pending.live.visit
+        # When the owner admitted it (before any load), as the row and histograms count.
+        visit.admitted_mono = visit.admitted_mono or admitted
+        pending.spilled = spilled
         if counts is not None and exchange is not None:
             exchange.headers = _raw(counts)
         route = self.link.runtime.routes.get(route_id)
@@ -330,8 +389,10 @@ class Forwarding(Ring):
 class RemoteRuntime:
     """proxy/runtime.py's `Runtime`, for a relaying worker."""
 
-    def __init__(self, config: Config) -> None:
+    def __init__(self, config: Config, store: Store) -> None:
         self.link = OwnerLink(self)
+        self.store = store  # the owner's store (its file, or a shared PostgreSQL)
+        self.activity = ActivityLog(store)  # this worker's requests' rows (C3)
         self.heard = Heard()
         self.keys = KeyRing()
         self.callers = Callers(config, self.keys)
@@ -340,6 +401,7 @@ class RemoteRuntime:
         self.admission = RemoteAdmission(self.link, self.heard)
         self.throttle = RemoteLimits()
         self.live = RemoteLive(self.link)
+        self.counts = Tally()  # its visits' metrics, for the owner's /metrics
         self.mirrors: dict[str, Mirror] = {}
         # E2: each worker exports the spans of the requests it relays.
         self.tracer: Tracer | None = None
@@ -403,21 +465,25 @@ class RemoteRuntime:
         return None  # peers are the owner's alone: a worker never routes to one
 
     def settle(self, visit: Visit) -> None:
+        """As `Gateway.settle` in process, less what only the owner keeps: that goes in the
+        request's `DONE` (its cost and tokens, its slot if given back just now)."""
         pending = CURRENT.get()
         self.link.pending.pop(pending.rid, None)
+        if visit.backend_id is not None:
+            visit.spilled = pending.spilled  # the owner's tiers, not this worker's (R2)
+        price, row = settlement(self.ledger.costs, visit)
+        self.counts.visit(visit, price.cost_usd, price.energy_wh)
+        if row is not None:
+            self.activity.add(row)
         m = visit.metered
-        metered = (
-            [None, 0, 0, 0, False]
-            if m is None
-            else [m.prompt_tokens, m.completion_tokens, m.bytes_in, m.bytes_out, m.estimated]
-        )
         done = [
             pending.opening(),
             visit.status,
-            visit.error,
-            *metered,
-            visit.ttfb_ms,
-            visit.preempted,
-            visit.queue_ms + visit.load_ms,
+            m.prompt_tokens if m is not None else None,
+            m.completion_tokens if m is not None else 0,
+            price.cost_usd,
+            price.energy_wh,
+            self.link.claim(pending.rid),
+            row is not None,
         ]
         self.link.send(Kind.DONE, pending.rid, encode(done))

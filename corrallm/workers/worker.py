@@ -36,6 +36,7 @@ from corrallm.observe.redaction import Redactor, install
 from corrallm.peers import lanes
 from corrallm.proxy.pipeline import Pipeline
 from corrallm.server import LOG_FORMAT, listen, server_config
+from corrallm.store.location import store_at
 from corrallm.workers.hop import HEAD, Kind, encode, frame
 from corrallm.workers.owner import Brief
 from corrallm.workers.remote import RemoteRuntime
@@ -69,6 +70,7 @@ class WorkerApp(CorrallmApp):
         self.upward = upward
         self._hop_socket = hop
         self._reporting: asyncio.Task[None] | None = None
+        self._writing: asyncio.Task[None] | None = None
 
     def __call__(self, scope: Scope, receive: Receive, send: Send) -> Awaitable[None]:
         kind = scope["type"]
@@ -85,16 +87,25 @@ class WorkerApp(CorrallmApp):
             message = await receive()
             if message["type"] == "lifespan.startup":
                 loop = asyncio.get_running_loop()
+                await self.runtime.store.open()  # the owner made or migrated it first
                 await loop.create_unix_connection(lambda: self.runtime.link, sock=self._hop_socket)
                 self._reporting = loop.create_task(self.runtime.link.report())
+                self._writing = loop.create_task(self.runtime.activity.run())
                 settle_garbage_collector()
                 await send({"type": "lifespan.startup.complete"})
             elif message["type"] == "lifespan.shutdown":
                 if self._reporting is not None:
                     self._reporting.cancel()
+                self.runtime.link.counted(0)  # the last of its metrics
                 self.runtime.link.flush_now()
                 await self.upward.close()
                 await self.pipeline.close()
+                if self._writing is not None:
+                    self._writing.cancel()
+                try:
+                    await self.runtime.activity.flush()  # the last of its rows
+                finally:
+                    await self.runtime.store.close()
                 await send({"type": "lifespan.shutdown.complete"})
                 return
 
@@ -164,7 +175,7 @@ def main(argv: list[str]) -> None:
     upward_path = os.path.join(os.path.dirname(hop_path), "http.sock")
     fd_limit = raise_fd_limit()
     limits = HeadLimits.from_env(os.environ, fds_free(fd_limit))
-    runtime = RemoteRuntime(brief.config)
+    runtime = RemoteRuntime(brief.config, store_at(brief.db))
     runtime.keys.load(*brief.keys)
     app = WorkerApp(runtime, brief, Upward(upward_path), hop)
     listener = listen(brief.addr, reuse_port=True)

@@ -142,8 +142,29 @@ def test_workers_spread_requests_over_both_and_metrics_count_each_once(gateway_f
     # Each worker names its requests with its own prefix (observe/context.py).
     prefixes = {r.headers["x-corrallm-request-id"][:8] for r in answers}
     assert len(prefixes) == 2
-    wait_for(lambda: requests_counted(gw) == 24, 10, what="24 requests on /metrics")
+    # Counted by the workers that served them, each asked for its counts as /metrics is
+    # read: exact at once, no wait (C6).
+    assert requests_counted(gw) == 24
     assert gw.api("GET", "overview").status_code == 200  # relayed to the owner
+
+
+def test_C3_each_worker_writes_the_activity_rows_of_the_requests_it_served(gateway_factory):
+    gw = gateway_factory(config(), env=TWO)
+    two_workers(gw)
+    answers = [chat(gw) for _ in range(12)]
+    ids = {r.headers["x-corrallm-request-id"] for r in answers}
+    assert len({i[:8] for i in ids}) == 2  # both workers served some
+
+    def written() -> list[dict[str, Any]] | None:
+        rows = gw.api("GET", "activity?limit=100").json()["rows"]
+        ours = [r for r in rows if r["request_id"] in ids]
+        return ours if len(ours) == 12 else None
+
+    rows = wait_for(written, 10, what="12 activity rows")
+    assert {(r["model"], r["backend"], r["status"], r["spilled"]) for r in rows} == {
+        ("slow", "slow#0", 200, False)
+    }
+    assert all(r["completion_tokens"] > 0 and r["dwell_ms"] >= 0 for r in rows)
 
 
 def test_S4_O1_a_stream_holds_the_one_slot_a_second_request_queues_at_the_owner(

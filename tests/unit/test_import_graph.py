@@ -231,7 +231,8 @@ LAYERS: dict[str, set[str]] = {
     },
     # `serve --workers N`: the owner's hop server and pool, and the relaying worker
     # process (its app is the server's /v1 path over a runtime that asks the owner), so
-    # it sits above the process pieces it runs twice over (-> api: the admin token).
+    # it sits above the process pieces it runs twice over (-> api: the admin token; ->
+    # store: a worker writes its own requests' activity rows).
     "workers": {
         "api",
         "app",
@@ -248,6 +249,7 @@ LAYERS: dict[str, set[str]] = {
         "routing",
         "scheduler",
         "server",
+        "store",
         "topology",
     },
     "cli": {

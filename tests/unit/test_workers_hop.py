@@ -6,6 +6,8 @@ a fake transport. What a worker holds is given back whatever ends it: its `DONE`
 from __future__ import annotations
 
 import asyncio
+import gc
+import time
 from pathlib import Path
 from typing import Any
 
@@ -13,16 +15,21 @@ import orjson
 import pytest
 
 from corrallm.config import load_config_text
+from corrallm.cost.ledger import Visit
+from corrallm.cost.model import Metered
 from corrallm.gateway import Gateway
+from corrallm.observe.metrics import Tally
+from corrallm.workers.held import WorkerLink
 from corrallm.workers.hop import HEAD, Kind, Link, eager, encode, frame
-from corrallm.workers.owner import Owner, WorkerLink
+from corrallm.workers.owner import Owner
+from corrallm.workers.remote import OwnerLink
 
 CONFIG = """
 models:
   m: {backends: [{proxy: "http://127.0.0.1:9", maxConcurrent: 1}]}
 """
 OPENING = [None, "default", "m", "/v1/chat/completions", 80, "req-{}", False, None, 1e9, 1.0]
-DONE_200 = [None, 200, None, 5, 16, 80, 300, False, 1.0, False, 0.5]
+DONE_200 = [None, 200, 5, 16, 0.0, 0.0, None, True]  # its row written by its worker
 
 
 class Wire:
@@ -89,11 +96,102 @@ async def test_a_slot_is_admitted_at_once_and_given_back_by_release_and_done(own
         ["m#0", "http://127.0.0.1:9"],
         False,
     )
+    assert fields[6] == gw.live.get("req-1").visit.admitted_mono  # type: ignore[union-attr]
     assert [r["state"] for r in gw.live.views()] == ["running"]
     link.frame(Kind.RELEASE, 1, encode([21, 0.0]))
     link.frame(Kind.DONE, 1, encode(DONE_200))
     assert (load(gw), gw.live.views(), link.held) == ((1, 0, 0), [], {})
-    assert gw.metrics.requests[("m", "m#0", "default", "200")] == 1
+
+
+async def test_S3_a_done_carries_the_release_that_came_with_it(tmp_path: Path) -> None:
+    """One message where a request's end gives its slot back: the lane is charged the
+    tokens its release carries (fairshare in tokens), then the request is over."""
+    config = CONFIG + "priorityGroups:\n  default: {shareCurrency: tokens}\n"
+    gw = Gateway(load_config_text(config), tmp_path)
+    link = WorkerLink(Owner(gw, "127.0.0.1:1", "token"))
+    link.connection_made(Wire())  # type: ignore[arg-type]
+    acquire(link, 1)
+    await asyncio.sleep(0)
+    link.frame(Kind.DONE, 1, encode([None, 200, 5, 16, 0.0, 0.0, [21, 0.0], True]))
+    assert (load(gw), gw.live.views(), link.held) == ((1, 0, 0), [], {})
+    assert gw.admission.core.groups["default"].usage == pytest.approx(21, rel=1e-3)
+
+
+async def test_C1_S6_a_done_charges_the_cost_its_worker_settled_to_the_spend_window(
+    tmp_path: Path,
+) -> None:
+    config = CONFIG + "priorityGroups:\n  default: {spendLimit: {usd: 10, window: 1h}}\n"
+    gw = Gateway(load_config_text(config), tmp_path)
+    link = WorkerLink(Owner(gw, "127.0.0.1:1", "token"))
+    link.connection_made(Wire())  # type: ignore[arg-type]
+    acquire(link, 1)
+    await asyncio.sleep(0)
+    link.frame(Kind.DONE, 1, encode([None, 200, 5, 16, 0.25, 1.5, [21, 0.25], True]))
+    assert gw.ledger.spend["default"].spent(time.time()) == pytest.approx(0.25)
+    assert gw.activity._pending == []  # the worker wrote its row
+
+
+async def test_C6_O3_metrics_counted_by_a_worker_are_added_to_the_owners() -> None:
+    """/metrics shows one gateway: a worker's counts (`COUNTED`) add to the owner's,
+    histograms bucket by bucket."""
+    visit = Visit("k", "default", "m", "/v1/chat/completions", 80, 1e9, 1.0)
+    visit.backend_id, visit.status, visit.admitted_mono = "m#0", 200, 1.0
+    visit.metered = Metered(5, 16)
+    worker = Tally()
+    worker.visit(visit, 0.5, 2.0)
+    worker.visit(visit, 0.5, 2.0)
+    taken = worker.take()
+    assert taken is not None and worker.take() is None  # taken once, then nothing new
+    owner = Tally()
+    owner.visit(visit, 0.5, 2.0)
+    owner.add(orjson.loads(orjson.dumps(taken)))  # as it crosses the hop
+    assert owner.requests[("m", "m#0", "default", "200")] == 3
+    assert owner.tokens[("m", "default", "completion")] == 48
+    assert owner.cost[("m", "default")] == pytest.approx(1.5)
+    queue = owner.latency.series[("m", "default")][0]
+    assert sum(queue[:-1]) == 3  # three observations of the queue wait, one bucket each
+
+
+async def test_C6_reading_metrics_asks_every_worker_for_its_counts_first(owner) -> None:
+    gw, link, wire = owner
+    link.owner.links.add(link)
+    scrape = asyncio.ensure_future(gw.metrics.scrape())
+    await asyncio.sleep(0)
+    [(kind, ask, _)] = await answers(wire)
+    assert kind == Kind.TALLY and not scrape.done()
+    visit = Visit(None, "default", "m", "/v1/chat/completions", 80, 1e9, 1.0)
+    visit.backend_id, visit.status = "m#0", 200
+    counts = Tally()
+    counts.visit(visit, 0.0, 0.0)
+    link.frame(Kind.COUNTED, ask, encode(counts.take()))
+    body = (await asyncio.wait_for(scrape, 5)).decode()
+    assert 'corrallm_requests_total{backend="m#0",group="default",model="m",status="200"} 1.0' in (
+        body
+    )
+
+
+async def test_a_request_over_leaves_no_cycle_for_the_garbage_collector(owner) -> None:
+    """SPEC §13: what the owner made for a request is freed by reference counting when it
+    is over. Cycles (a held request and its stop pointing at each other) left six objects
+    a request for the collector, whose passes over them cost ~1 µs a request."""
+    _, link, wire = owner
+    acquire(link, 1)
+    link.frame(Kind.DONE, 1, encode(DONE_200))
+    await answers(wire)
+    gc.collect()
+    gc.disable()
+    gc.set_debug(gc.DEBUG_SAVEALL)
+    try:
+        for rid in range(2, 12):
+            acquire(link, rid)
+            link.frame(Kind.DONE, rid, encode(DONE_200))
+        await answers(wire)
+        gc.collect()
+        assert gc.garbage == []
+    finally:
+        gc.set_debug(0)
+        gc.garbage.clear()
+        gc.enable()
 
 
 async def test_S7_a_request_withdrawn_in_the_turn_it_queued_leaves_nothing_behind(owner) -> None:
@@ -163,6 +261,28 @@ async def test_S4_O1_interrupts_go_to_the_worker_holding_the_request(owner) -> N
     gw.live.cancel("req-1")
     [(kind, rid, fields)] = await answers(wire)
     assert (kind, rid, fields) == (Kind.INTERRUPT, 1, [5, ""])  # Interrupt.CANCELLED
+
+
+async def test_a_release_rides_on_the_done_that_follows_it_else_goes_alone() -> None:
+    """The worker's end: a slot given back as a request ends goes in its DONE (one
+    message); one that no DONE follows in the same step goes as a RELEASE of its own at
+    the end of the loop's turn, and before anything else said of that request."""
+    link = OwnerLink(None)  # type: ignore[arg-type]  # (what it sends needs no runtime)
+    wire = Wire()
+    link.connection_made(wire)  # type: ignore[arg-type]
+    link.release(1, 21, 0.5)
+    assert link.claim(1) == [21, 0.5]
+    link.send(Kind.DONE, 1, encode([None, 200]))
+    link.release(2, 0, 0.0)  # P6: routed again, its next ACQUIRE follows
+    link.send(Kind.ACQUIRE, 2, encode([None, "m", None, None, False]))
+    link.release(3, 7, 0.0)  # nothing follows in this step
+    await turns(3)
+    assert [(k, r) for k, r, _ in wire.frames()] == [
+        (Kind.DONE, 1),
+        (Kind.RELEASE, 2),
+        (Kind.ACQUIRE, 2),
+        (Kind.RELEASE, 3),
+    ]
 
 
 class Frames(Link):
