@@ -20,7 +20,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable, Coroutine, Iterable
+from collections.abc import Awaitable, Callable, Coroutine, Iterable
 from pathlib import Path
 from typing import Any, Literal
 
@@ -86,6 +86,9 @@ class Gateway:
         # Who hears each new topology once it is in force (the relaying workers' owner,
         # corrallm/workers/owner.py, sends the config on to its workers).
         self.swapped: list[Callable[[Topology], None]] = []
+        # What a change is answered only after (a reload; a key made, rotated, revoked):
+        # every relaying worker has it in force (workers/owner.py's `in_force`).
+        self.settling: list[Callable[[], Awaitable[None]]] = []
         # -- the long-lived owners ---------------------------------------------------
         self.probe = HealthProbe()
         self.db = db_path or home / "corrallm.db"  # X5: a URL is PostgreSQL
@@ -324,6 +327,11 @@ class Gateway:
         for served in self.served:
             if served.config.persistent and not self.pauses.paused("model", served.name):
                 self.background(_preload(served))
+
+    async def in_force(self) -> None:
+        """Return once a change made here is in force wherever requests are served."""
+        for settle in self.settling:
+            await settle()
 
     def background(self, coro: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
         """Run `coro` as a task the gateway keeps (and cancels at shutdown)."""

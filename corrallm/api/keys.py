@@ -47,6 +47,7 @@ async def create_key(gw: Gateway, fields: Mapping[str, Any]) -> KeyWithSecret:
         raise _exists(exc) from exc
     except StoreUnavailable as exc:
         raise store_unavailable(exc, f"create the key '{spec.name}'") from exc
+    await gw.in_force()
     return KeyWithSecret(**_api_fields(record), secret=secret)
 
 
@@ -58,6 +59,7 @@ async def rotate_key(gw: Gateway, name: str) -> KeyWithSecret:
         raise _unchangeable(exc, name, "rotated") from exc
     except StoreUnavailable as exc:
         raise store_unavailable(exc, f"rotate the key '{name}'") from exc
+    await gw.in_force()
     return KeyWithSecret(**_api_fields(record), secret=secret)
 
 
@@ -69,6 +71,7 @@ async def revoke_key(gw: Gateway, name: str) -> KeyRevoked:
         raise _unchangeable(exc, name, "revoked") from exc
     except StoreUnavailable as exc:
         raise store_unavailable(exc, f"revoke the key '{name}'") from exc
+    await gw.in_force()
     return KeyRevoked(name=name, revoked=True)
 
 

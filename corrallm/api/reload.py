@@ -59,6 +59,7 @@ async def reload(gateway: Gateway, config: Config) -> Report:
         except StoreUnavailable as exc:
             log.warning("shared pauses not read after the reload (next notice applies): %s", exc)
     gateway.preload()
+    await gateway.in_force()  # `serve --workers`: the caller's next request meets it
     log.info(
         "config reloaded: kept=%s restarted=%s removed=%s added=%s",
         report.kept,

@@ -61,6 +61,7 @@ class Hub(Protocol):
     def joined(self, link: WorkerLink) -> None: ...
     def left(self, link: WorkerLink, held: int) -> None: ...
     def counts(self, asks: Sequence[Ask], headers: list[tuple[str, str]]) -> None: ...
+    def applied(self, link: WorkerLink) -> None: ...
 
 
 class RemoteStop(Stop):
@@ -138,6 +139,7 @@ class WorkerLink(Link):
         self.asked: dict[int, asyncio.Future[None]] = {}  # TALLYs not yet answered
         self.index = -1
         self.pid = 0
+        self.applied = 0  # the last of the owner's numbered pushes it has in force
         # What each message kind does, by its number: one dict lookup a frame, where
         # comparing with the `Kind` members costs ~60 ns each (an enum class's getattr).
         self.handlers: dict[int, Callable[[int, bytes], None]] = {
@@ -150,6 +152,7 @@ class WorkerLink(Link):
             Kind.PROGRESS: self._on_progress,
             Kind.CAPTURE: self._on_capture,
             Kind.JOIN: self._on_join,
+            Kind.APPLIED: self._on_applied,
         }
 
     # -- frames in ---------------------------------------------------------------------
@@ -204,6 +207,10 @@ class WorkerLink(Link):
     def _on_join(self, rid: int, payload: bytes) -> None:
         self.index, self.pid = decode(payload)
         self.owner.joined(self)
+
+    def _on_applied(self, rid: int, payload: bytes) -> None:
+        self.applied = max(self.applied, rid)
+        self.owner.applied(self)
 
     def _open(self, rid: int, fields: list[Any]) -> Held:
         visit = _visit(fields)

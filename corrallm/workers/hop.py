@@ -41,9 +41,10 @@ class Kind(enum.IntEnum):
     PROGRESS = 9  # [[request, events relayed], ...]: tokens so far of its answers (O1)
     COUNTED = 10  # metrics.Counts.take() (or nothing): its visits' metrics since it last
     # sent them; request number 0 every PROGRESS_SECONDS, else the owner's TALLY's
+    APPLIED = 11  # the owner's CONFIG or KEYS of this number is in force here
     # owner -> worker
     HELLO = 20  # pickle: the worker's brief (config, address, admin token)
-    CONFIG = 21  # pickle: the config now in force (a reload)
+    CONFIG = 21  # pickle: the config now in force (a reload); numbered, as KEYS: APPLIED
     KEYS = 27  # pickle: the runtime keys and refused secrets now (T2: made, rotated, revoked)
     COUNTS = 28  # [[subjects], [[header, value], ...]]: a key's x-ratelimit-* counts now
     QUEUED = 22  # [ticket, backend, position, waiting, eta]

@@ -3,6 +3,11 @@ connected worker, the brief each worker joins with, and what goes to every worke
 config after a reload, the runtime keys when they change, a limited key's counts — or
 is asked of every one: their metrics whenever /metrics is read (`TALLY`, answered by
 `COUNTED`).
+
+The config and the keys go out numbered, and each worker answers `APPLIED` with the
+number once they are in force there: a reload or a key made, rotated or revoked is
+answered to its caller only then (`in_force`), so that the caller's next request, on
+whichever worker the kernel hands it to, meets the change.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("corrallm.workers")
 
 TALLY_SECONDS = 2.0  # how long /metrics waits for a worker's counts
+APPLIED_SECONDS = 1.0  # how long a change's answer waits for every worker to apply it
 
 
 @dataclass(frozen=True)
@@ -53,8 +59,11 @@ class Owner:
         gateway.swapped.append(self._swapped)
         gateway.keys.changed.append(self._keys_changed)
         gateway.metrics.sources.append(self.tally)
+        gateway.settling.append(self.in_force)
         self._keys_due = False
         self._asks = itertools.count(1)
+        self._pushed = 0  # the number of the last config or keys sent to the workers
+        self._waiting: list[tuple[int, asyncio.Future[None]]] = []
 
     def brief(self) -> bytes:
         gw = self.gateway
@@ -76,11 +85,13 @@ class Owner:
 
     def joined(self, link: WorkerLink) -> None:
         self.links.add(link)
+        link.applied = self._pushed  # its brief holds everything pushed so far
         link.send(Kind.HELLO, 0, self.brief())
         log.info("worker %d (pid %d) joined", link.index, link.pid)
 
     def left(self, link: WorkerLink, held: int) -> None:
         self.links.discard(link)
+        self.applied(link)  # no longer waited for
         if held:
             log.warning(
                 "worker %d (pid %d) left holding %d requests: their slots are free",
@@ -114,6 +125,37 @@ class Owner:
         for link in self.links:
             link.send(Kind.COUNTS, 0, counted)
 
+    async def in_force(self) -> None:
+        """Return once every worker has the config and keys pushed so far in force (or
+        after APPLIED_SECONDS, logged: a worker that slow is stuck, and the change is
+        the owner's all the same)."""
+        if self._keys_due:
+            self._push_keys()
+        target = self._pushed
+        if all(link.applied >= target for link in self.links):
+            return
+        applied = asyncio.get_running_loop().create_future()
+        self._waiting.append((target, applied))
+        try:
+            await asyncio.wait_for(asyncio.shield(applied), APPLIED_SECONDS)
+        except TimeoutError:
+            late = sorted(link.index for link in self.links if link.applied < target)
+            log.warning(
+                "workers %s did not apply change %d within %g s", late, target, APPLIED_SECONDS
+            )
+        finally:
+            if (target, applied) in self._waiting:
+                self._waiting.remove((target, applied))
+
+    def applied(self, link: WorkerLink) -> None:
+        if not self._waiting:
+            return
+        slowest = min((link.applied for link in self.links), default=self._pushed)
+        for target, applied in [w for w in self._waiting if w[0] <= slowest]:
+            self._waiting.remove((target, applied))
+            if not applied.done():
+                applied.set_result(None)
+
     def _keys_changed(self) -> None:
         """T2: a key made, rotated or revoked (here, or by a gateway sharing the store):
         every worker gets the runtime keys as they are now, once per loop turn."""
@@ -123,12 +165,15 @@ class Owner:
         asyncio.get_running_loop().call_soon(self._push_keys)
 
     def _push_keys(self) -> None:
+        if not self._keys_due:  # pushed already, by `in_force`
+            return
         self._keys_due = False
-        keys = pickle.dumps(self.gateway.keys.runtime())
-        for link in self.links:
-            link.send(Kind.KEYS, 0, keys)
+        self._push(Kind.KEYS, pickle.dumps(self.gateway.keys.runtime()))
 
     def _swapped(self, topology: Topology) -> None:
-        config = pickle.dumps(topology.config)
+        self._push(Kind.CONFIG, pickle.dumps(topology.config))
+
+    def _push(self, kind: Kind, payload: bytes) -> None:
+        self._pushed += 1
         for link in self.links:
-            link.send(Kind.CONFIG, 0, config)
+            link.send(kind, self._pushed, payload)

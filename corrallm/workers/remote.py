@@ -155,9 +155,11 @@ class OwnerLink(Link):
     def frame(self, kind: int, rid: int, payload: bytes) -> None:
         if kind == Kind.CONFIG:
             self.runtime.reconfigure(pickle.loads(payload))
+            Link.send(self, Kind.APPLIED, rid)  # (not a request's number: no RELEASE first)
             return
         if kind == Kind.KEYS:
             self.runtime.keys.load(*pickle.loads(payload))
+            Link.send(self, Kind.APPLIED, rid)
             return
         if kind == Kind.COUNTS:
             subjects, headers = decode(payload)

@@ -282,6 +282,33 @@ def test_P6_a_model_a_sighup_reload_adds_is_served_by_every_worker(gateway_facto
     assert all(w.is_running() for w in workers(gw))  # SIGHUP is the owner's, not theirs
 
 
+def test_P6_a_reload_is_in_force_on_every_worker_when_its_answer_comes(gateway_factory):
+    gw = gateway_factory(config(), env=TWO)
+    two_workers(gw)
+    assert gw.config_path is not None
+    gw.config_path.write_text(config() + config(name="added").split("models:\n", 1)[1])
+    assert gw.api("POST", "config/reload").status_code == 200
+    # No wait: each worker answered APPLIED before the reload did (workers/owner.py).
+    answers = [chat(gw, "added") for _ in range(12)]
+    assert [r.status_code for r in answers] == [200] * 12
+    assert len({r.headers["x-corrallm-request-id"][:8] for r in answers}) == 2
+
+
+def test_T2_a_key_made_or_revoked_is_in_force_on_every_worker_when_its_answer_comes(
+    gateway_factory,
+):
+    gw = gateway_factory("scheduler: {requireKeys: true}\n" + GROUPS + config(), env=TWO)
+    two_workers(gw)
+    made = gw.api("POST", "keys", {"name": "carol", "group": "batch"})
+    assert made.status_code == 201, made.text
+    secret = made.json()["secret"]
+    answers = [chat(gw, key=secret) for _ in range(12)]
+    assert [r.status_code for r in answers] == [200] * 12
+    assert len({r.headers["x-corrallm-request-id"][:8] for r in answers}) == 2
+    assert gw.api("DELETE", "keys/carol").status_code == 200
+    assert [chat(gw, key=secret).status_code for _ in range(12)] == [401] * 12
+
+
 def test_L5_sigterm_drains_every_worker_then_stops_the_backend(gateway_factory, calls):
     gw = gateway_factory(config("--tokens", "100", "--token-delay", "0.02"), env=TWO)
     pids = [w.pid for w in two_workers(gw)]

@@ -55,6 +55,16 @@ class Wire:
         self.data.clear()
         return out
 
+    def heads(self) -> list[tuple[int, int]]:
+        """The kind and number of each frame written (for pickled payloads)."""
+        out, at = [], 0
+        while at < len(self.data):
+            length, kind, rid = HEAD.unpack_from(self.data, at)
+            out.append((kind, rid))
+            at += 9 + length
+        self.data.clear()
+        return out
+
 
 @pytest.fixture
 async def owner(tmp_path: Path) -> tuple[Gateway, WorkerLink, Wire]:
@@ -292,6 +302,41 @@ class Frames(Link):
 
     def frame(self, kind: int, rid: int, payload: bytes) -> None:
         self.got.append((kind, rid, payload))
+
+
+async def test_P6_T2_a_change_is_answered_once_every_worker_has_applied_it(owner) -> None:
+    gw, link, wire = owner
+    link.owner.links.add(link)
+    await asyncio.wait_for(gw.in_force(), 1)  # nothing pushed: nothing to wait for
+    gw.reconfigure(load_config_text(CONFIG))  # a reload: the config (and keys) go out
+    settled = asyncio.ensure_future(gw.in_force())
+    await turns()
+    assert wire.heads() == [(Kind.CONFIG, 1), (Kind.KEYS, 2)] and not settled.done()
+    link.frame(Kind.APPLIED, 1, b"")
+    await turns()
+    assert not settled.done()  # the keys are not in force there yet
+    link.frame(Kind.APPLIED, 2, b"")
+    await asyncio.wait_for(settled, 1)
+    gw.keys.load([])  # a key revoked: pushed once, whoever pushes it first
+    settled = asyncio.ensure_future(gw.in_force())
+    await turns()
+    assert wire.heads() == [(Kind.KEYS, 3)] and not settled.done()
+    link.frame(Kind.APPLIED, 3, b"")
+    await asyncio.wait_for(settled, 1)
+
+
+async def test_P6_a_worker_that_never_applies_a_change_delays_its_answer_one_second(
+    owner, monkeypatch, caplog
+) -> None:
+    gw, link, _ = owner
+    link.owner.links.add(link)
+    monkeypatch.setattr("corrallm.workers.owner.APPLIED_SECONDS", 0.05)
+    gw.reconfigure(load_config_text(CONFIG))
+    await asyncio.wait_for(gw.in_force(), 1)
+    assert "did not apply change 2" in caplog.text
+    link.owner.left(link, 0)  # a worker gone is not waited for
+    gw.reconfigure(load_config_text(CONFIG))
+    await asyncio.wait_for(gw.in_force(), 0.04)
 
 
 def test_frames_are_read_whole_however_the_bytes_arrive() -> None:
