@@ -184,13 +184,16 @@ def start_corrallm(
     more: dict[str, int] | None = None,
     extra_config: str = "",
     workers: int = 1,
+    name: str = "corrallm",
+    role: str = "proxy",
 ) -> Target:
     """`corrallm serve` in front of the bench's upstreams (and `more` models: name ->
     upstream port); `launcher` runs it instead of `python -m corrallm` (bench/opcodes.py's
     counting wrapper); `extra_config`: more top-level YAML (bench/tracing.py's
-    `telemetry`)."""
+    `telemetry`); `name` and `role`: a second corrallm row (`--also-workers`) and where
+    it runs (a role with no CPUs in the plan: every CPU)."""
     port = free_port()
-    config = procs.tmp / "corrallm.yaml"
+    config = procs.tmp / f"{name}.yaml"
     # maxConcurrent above the stream count: a stream's next round may arrive before the slot
     # of the one that just ended is released, and the bench measures relaying, not queueing.
     config.write_text(
@@ -216,13 +219,13 @@ def start_corrallm(
         "--config",
         str(config),
         "--home",
-        str(procs.tmp / "home"),
+        str(procs.tmp / ("home" if name == "corrallm" else f"{name}-home")),
     ]
     env = {"ADDR": f"127.0.0.1:{port}", "CORRALLM_WORKERS": str(workers)}
-    proc = procs.start("corrallm", cmd, "proxy", env=env)
-    procs.wait_healthy("corrallm", proc, f"http://127.0.0.1:{port}/health")
+    proc = procs.start(name, cmd, role, env=env)
+    procs.wait_healthy(name, proc, f"http://127.0.0.1:{port}/health")
     url = f"http://127.0.0.1:{port}/v1/chat/completions"
-    return Target("corrallm", url, url, proc.pid, url if llama_port else None)
+    return Target(name, url, url, proc.pid, url if llama_port else None)
 
 
 def find_cached(variable: str, script: str) -> str | None:
@@ -1113,6 +1116,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         "small machine); bench/workers.py compares counts and measures the owner's share",
     )
     p.add_argument(
+        "--also-workers",
+        type=int,
+        help="also a row corrallm-xN: serve --workers N on every CPU, unpinned (beside the\n"
+        "load generator), in the same run as the pinned one-process row",
+    )
+    p.add_argument(
         "--profile",
         type=Path,
         help="also record corrallm with py-spy (raw collapsed stacks) under wrk into this "
@@ -1189,6 +1198,22 @@ def run(
                 )
             except RuntimeError as exc:
                 notes.append(f"corrallm row skipped: `corrallm serve` did not start: {exc}")
+        if "corrallm" in wanted and args.also_workers:
+            name = f"corrallm-x{args.also_workers}"
+            try:  # on every CPU, beside the load generator (the issue's 2-core measure)
+                targets.append(
+                    start_corrallm(
+                        procs,
+                        fast_port,
+                        stream_port,
+                        workers=args.also_workers,
+                        name=name,
+                        role="anywhere",
+                    )
+                )
+                notes.append(f"{name}: serve --workers {args.also_workers}, not pinned")
+            except RuntimeError as exc:
+                notes.append(f"{name} row skipped: `corrallm serve` did not start: {exc}")
         nginx = find_nginx()
         if "nginx" in wanted and nginx is None:
             notes.append("nginx row skipped: nginx not found (install: `apt-get install -y nginx`)")

@@ -6,11 +6,16 @@ socket (its folder only this user may open).
 
 Relayed rather than served from a copy: those answers read the owner's state (the live
 list, residency, the store, the metrics every worker's requests were settled into), and
-are not the hot path. The answer's body is passed on chunk by chunk (the events streams).
+are not the hot path. The answer's body is passed on chunk by chunk (the events streams,
+a forwarded stream); a client that leaves closes the request to the owner at once, so
+that the owner sees it gone (its slot freed, its upstream request dropped) as it would
+have seen it itself.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 from collections.abc import AsyncIterator
 
@@ -62,11 +67,12 @@ class Upward:
             (k == b"content-length" and v.strip() != b"0") or k == b"transfer-encoding"
             for k, v in scope["headers"]
         )
+        body = _Body(receive) if sized else None
         try:
             answer = await self.session().request(
                 scope["method"],
                 url,
-                data=_body(receive) if sized else None,
+                data=body.chunks() if body is not None else None,
                 headers=headers,
                 allow_redirects=False,
                 # The body only once the owner asks for it (it reads it): a request it
@@ -92,21 +98,56 @@ class Upward:
                     ],
                 }
             )
-            async for chunk in answer.content.iter_any():
-                await send({"type": "http.response.body", "body": chunk, "more_body": True})
-            await send({"type": "http.response.body", "body": b""})
+            copy = asyncio.ensure_future(_copy(answer, send))
+            # Once the body is read, `receive` says only one thing more: the client left.
+            # (A body the owner answered before reading it all is not watched: its
+            # answer is a refusal, short.)
+            gone = asyncio.ensure_future(_gone(receive)) if body is None or body.read else None
+            try:
+                await asyncio.wait(
+                    {copy} if gone is None else {copy, gone}, return_when=asyncio.FIRST_COMPLETED
+                )
+            finally:
+                if gone is not None:
+                    gone.cancel()
+                if not copy.done():  # the client left (or this relay was cancelled)
+                    copy.cancel()
+                    answer.close()  # the owner sees its client gone
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await copy
+            if not copy.cancelled():
+                copy.result()  # (an error while copying is raised here)
 
 
-async def _body(receive: Receive) -> AsyncIterator[bytes]:
-    while True:
-        message = await receive()
-        if message["type"] != "http.request":
-            return  # the client went away
-        chunk = message.get("body", b"")
-        if chunk:
-            yield chunk
-        if not message.get("more_body", False):
-            return
+async def _copy(answer: aiohttp.ClientResponse, send: Send) -> None:
+    async for chunk in answer.content.iter_any():
+        await send({"type": "http.response.body", "body": chunk, "more_body": True})
+    await send({"type": "http.response.body", "body": b""})
+
+
+async def _gone(receive: Receive) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+class _Body:
+    """The request's body, streamed up as it comes; `read` once it is all read."""
+
+    def __init__(self, receive: Receive) -> None:
+        self.receive = receive
+        self.read = False
+
+    async def chunks(self) -> AsyncIterator[bytes]:
+        while True:
+            message = await self.receive()
+            if message["type"] != "http.request":
+                return  # the client went away
+            chunk = message.get("body", b"")
+            if chunk:
+                yield chunk
+            if not message.get("more_body", False):
+                self.read = True
+                return
 
 
 def _closing(name: bytes, value: bytes) -> bool:

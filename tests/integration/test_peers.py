@@ -190,11 +190,19 @@ def peer_model(gw: Gateway, name: str, model: str = "m") -> dict[str, Any] | Non
 def seen(gw: Gateway, name: str, state: str, in_flight: int | None = None) -> None:
     """Wait until the gateway sees model m on peer `name` in `state` (and so many in flight)."""
 
-    def now() -> bool:
-        m = peer_model(gw, name)
-        return bool(m and m["state"] == state and in_flight in (None, m["in_flight"]))
+    last: list[Any] = []
 
-    wait_for(now, 15, what=f"m@{name} {state} in_flight={in_flight} as {gw.url} sees it")
+    def now() -> bool:
+        view = peer(gw, name)
+        m = next((m for m in view["models"] if m["name"] == "m"), None)
+        last[:] = [view["state"], m]
+        up = view["state"] == "up"
+        return bool(up and m and m["state"] == state and in_flight in (None, m["in_flight"]))
+
+    try:
+        wait_for(now, 15, what=f"m@{name} {state} in_flight={in_flight} as {gw.url} sees it")
+    except AssertionError as exc:  # what it saw last: the peer's state and its model
+        raise AssertionError(f"{exc}; last seen: {last}") from None
 
 
 def load(cluster: Cluster, *names: str) -> None:

@@ -100,13 +100,15 @@ class RawStream:
     """A streamed chat request on a socket of its own: the test knows its local port
     (to find the worker holding it) and sees the connection end."""
 
-    def __init__(self, gw: Gateway, model: str = "slow") -> None:
+    def __init__(self, gw: Gateway, model: str = "slow", head: bytes = b"") -> None:
         host, port = gw.url.removeprefix("http://").split(":")
         self.sock = socket.create_connection((host, int(port)), timeout=30)
         body = json.dumps({"model": model, "stream": True, **CHAT}).encode()
         self.sock.sendall(
             b"POST /v1/chat/completions HTTP/1.1\r\nhost: corrallm\r\n"
-            b"content-type: application/json\r\ncontent-length: %d\r\n\r\n" % len(body) + body
+            + head
+            + b"content-type: application/json\r\ncontent-length: %d\r\n\r\n" % len(body)
+            + body
         )
         self.received = b""
 
@@ -228,6 +230,20 @@ def test_O1_an_operator_cancels_a_stream_a_worker_holds(gateway_factory, calls):
     assert running.events[-1] == "[DONE]"
     assert json.loads(running.events[-2])["error"]["code"] == "cancelled"
     wait_for(lambda: held(gw) == [], 10, what="nothing held")
+
+
+@pytest.mark.parametrize("forwarded", [False, True], ids=["direct", "forwarded"])
+def test_S7_X4_a_client_that_leaves_mid_stream_frees_its_slot_at_once(gateway_factory, forwarded):
+    """A request another gateway forwarded (a lane header) is relayed up to the owner
+    (workers/upward.py): its client leaving must reach the owner as well."""
+    gw = gateway_factory(config("--tokens", "400", "--token-delay", "0.05"), env=TWO)
+    two_workers(gw)
+    stream = RawStream(gw, head=b"x-corrallm-lane: default\r\n" if forwarded else b"")
+    stream.read_until(b"data:")
+    assert len(held(gw)) == 1
+    stream.sock.close()
+    wait_for(lambda: held(gw) == [], 5, what="the stream's slot freed")
+    assert chat(gw, max_tokens=2).status_code == 200  # the one slot is free
 
 
 def test_workers_a_worker_killed_mid_stream_frees_its_slot_and_is_respawned(gateway_factory):
