@@ -89,11 +89,18 @@ def cpu_plan() -> dict[str, set[int]]:
     generators together on the others (so the proxy's CPU is all its own, as on a server);
     with 1 nothing is pinned."""
     cpus = sorted(os.sched_getaffinity(0))
+    # "anywhere": every CPU (`--also-workers`), set explicitly: a child would otherwise
+    # inherit this script's own pinning to the client's CPUs.
     if len(cpus) >= 4:
-        return {"backend": {cpus[0]}, "proxy": {cpus[1]}, "client": set(cpus[2:6])}
+        return {
+            "backend": {cpus[0]},
+            "proxy": {cpus[1]},
+            "client": set(cpus[2:6]),
+            "anywhere": set(cpus),
+        }
     if len(cpus) >= 2:
         rest = set(cpus[:-1])
-        return {"backend": rest, "proxy": {cpus[-1]}, "client": rest}
+        return {"backend": rest, "proxy": {cpus[-1]}, "client": rest, "anywhere": set(cpus)}
     return {}
 
 
@@ -1156,7 +1163,11 @@ def run(
         os.sched_setaffinity(0, pins["client"])  # this script stays off the proxy's CPU
     procs = Procs(tmp, pins)
     plan = (
-        "; ".join(f"{role} on CPU {','.join(map(str, sorted(c)))}" for role, c in pins.items())
+        "; ".join(
+            f"{role} on CPU {','.join(map(str, sorted(c)))}"
+            for role, c in pins.items()
+            if role != "anywhere"
+        )
         if pins
         else "no CPU pinning"
     )
