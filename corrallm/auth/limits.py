@@ -46,12 +46,35 @@ LIMIT_TOKENS = b"x-ratelimit-limit-tokens"
 REMAINING_TOKENS = b"x-ratelimit-remaining-tokens"
 
 
+# A limit that is not set, as a cap no count reaches: the hot path compares, never asks
+# whether a limit is there.
+NONE = 1 << 62
+
+
 @dataclass(frozen=True, slots=True)
 class Ask:
-    """One subject a request is counted in, with the limits in force for it."""
+    """One subject a request is counted in, with the limits in force for it, and what the
+    hot path needs of them made once (a key's asks live as long as its config)."""
 
     subject: str
     limits: RateLimits
+    rpm: int = field(init=False, compare=False, repr=False)  # NONE when not set
+    tpm: int = field(init=False, compare=False, repr=False)
+    concurrent: int = field(init=False, compare=False, repr=False)
+    alone: tuple[str, ...] = field(init=False, compare=False, repr=False)  # (subject,)
+    # (LIMIT_REQUESTS, rpm) and (LIMIT_TOKENS, tpm), None when not set
+    limit_requests: tuple[bytes, bytes] | None = field(init=False, compare=False, repr=False)
+    limit_tokens: tuple[bytes, bytes] | None = field(init=False, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        rpm, tpm, concurrent = self.limits.rpm, self.limits.tpm, self.limits.concurrent
+        made = object.__setattr__
+        made(self, "rpm", NONE if rpm is None else rpm)
+        made(self, "tpm", NONE if tpm is None else tpm)
+        made(self, "concurrent", NONE if concurrent is None else concurrent)
+        made(self, "alone", (self.subject,))
+        made(self, "limit_requests", None if rpm is None else (LIMIT_REQUESTS, b"%d" % rpm))
+        made(self, "limit_tokens", None if tpm is None else (LIMIT_TOKENS, b"%d" % tpm))
 
 
 @dataclass(frozen=True, slots=True)
@@ -319,41 +342,31 @@ class Limiter:
         """`admit`, with what is left after it (`remaining`) on the hold, in one pass over
         the windows: the hot path of a key with limits (the same rules as `breach`; a
         refusal is judged by `judge`). Most requests ask one subject, their key: that
-        case takes no list and no loop."""
+        case takes no list and no loop, and compares with the caps and header halves its
+        `Ask` made once."""
         if len(asks) != 1:
             return self._counted(asks, estimate, now)
         ask = asks[0]
-        limits = ask.limits
-        tpm, rpm, concurrent = limits.tpm, limits.rpm, limits.concurrent
         window = self._windows.get(ask.subject)
         if window is None:
             window = Window()
         elif now >= window.due:
             window.expire(now)
         tokens = window.used + window.reserved + estimate
-        if (
-            (tpm is not None and tokens > tpm)
-            or (concurrent is not None and window.held >= concurrent)
-            or (rpm is not None and window.admitted >= rpm)
-        ):
+        admitted = window.admitted
+        if tokens > ask.tpm or admitted >= ask.rpm or window.held >= ask.concurrent:
             return self._refused(asks, estimate, now)
         self._windows[ask.subject] = window
-        window.admitted += 1
-        window.add(window.requests, now, 1)
+        window.admitted = admitted = admitted + 1
         window.reserved += estimate
         window.held += 1
+        window.add(window.requests, now, 1)
         headers: list[tuple[bytes, bytes]] = []  # Remaining(...).headers(), an object less
-        if rpm is not None:
-            headers += (
-                (LIMIT_REQUESTS, b"%d" % rpm),
-                (REMAINING_REQUESTS, b"%d" % max(0, rpm - window.admitted)),
-            )
-        if tpm is not None:
-            headers += (
-                (LIMIT_TOKENS, b"%d" % tpm),
-                (REMAINING_TOKENS, b"%d" % max(0, tpm - tokens)),
-            )
-        return Hold((ask.subject,), estimate, now, headers)
+        if ask.limit_requests is not None:
+            headers += (ask.limit_requests, (REMAINING_REQUESTS, b"%d" % (ask.rpm - admitted)))
+        if ask.limit_tokens is not None:
+            headers += (ask.limit_tokens, (REMAINING_TOKENS, b"%d" % (ask.tpm - tokens)))
+        return Hold(ask.alone, estimate, now, headers)
 
     def _counted(self, asks: Sequence[Ask], estimate: int, now: float) -> Hold | LimitRefusal:
         """`counted` for a request counted in several subjects (a key and its user)."""

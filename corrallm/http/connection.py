@@ -44,6 +44,11 @@ from corrallm.http.head_guard import GuardedProtocol, HeadGuard
 _NAME, _VALUE, _LOWER = itemgetter(0), itemgetter(1), methodcaller("lower")
 _COLON, _CRLF = repeat(b": "), repeat(b"\r\n")
 _FRAMING = frozenset({b"content-length", b"transfer-encoding", b"connection"})
+# The bytes uvicorn's HEADER_RE and HEADER_VALUE_RE refuse, for `bytes.translate` to
+# delete: a head holds one iff deleting them shortens it. A table lookup a byte, where
+# the expressions' character class costs a call a byte (a tenth of the time).
+_BAD_NAME = bytes(b for b in range(256) if HEADER_RE.match(bytes([b])))
+_BAD_VALUE = bytes(b for b in range(256) if HEADER_VALUE_RE.match(bytes([b])))
 
 
 class LeanCycle(RequestResponseCycle):
@@ -146,16 +151,18 @@ class LeanCycle(RequestResponseCycle):
         self.response_started = True
         self.waiting_for_100_continue = False
         headers = [*self.default_headers, *extra]
-        # uvicorn's checks, one search over all names and one over all values: joining
-        # adds no byte either expression looks for.
-        if HEADER_RE.search(b"".join(map(_NAME, headers))):
-            raise RuntimeError("Invalid HTTP header name.")
-        if HEADER_VALUE_RE.search(b"".join(map(_VALUE, headers))):
-            raise RuntimeError("Invalid HTTP header value.")
         # The head written and its framing headers picked out by C iterators: no Python
         # opcode per header (a dozen on most answers; bench/opcodes.py).
         names = [*map(_LOWER, map(_NAME, headers))]
         values = [*map(_VALUE, headers)]
+        # uvicorn's checks, once over all names and once over all values: joining adds
+        # no byte either looks for, and lowering a name neither adds nor removes one.
+        joined = b"".join(names)
+        if len(joined.translate(None, _BAD_NAME)) != len(joined):
+            raise RuntimeError("Invalid HTTP header name.")
+        joined = b"".join(values)
+        if len(joined.translate(None, _BAD_VALUE)) != len(joined):
+            raise RuntimeError("Invalid HTTP header value.")
         lines = zip(names, _COLON, values, _CRLF, strict=False)  # the separators repeat
         content = [STATUS_LINE[status], *chain.from_iterable(lines)]
         has_connection_close = False
