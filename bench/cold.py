@@ -17,7 +17,7 @@ To see whether compiling the limiter changes the cold cost, build a copy with my
 put it first on the path:
 
     mkdir /tmp/c && cp -r corrallm /tmp/c/
-    (cd /tmp/c && /work/main/.venv/bin/mypyc corrallm/auth/limits.py)   # this checkout's venv
+    (cd /tmp/c && "$OLDPWD/.venv/bin/mypyc" corrallm/auth/limits.py)   # this checkout's venv
     PYTHONPATH=/tmp/c .venv/bin/python bench/cold.py
 """
 

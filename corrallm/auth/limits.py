@@ -48,7 +48,7 @@ REMAINING_TOKENS = b"x-ratelimit-remaining-tokens"
 
 # A limit that is not set, as a cap no count reaches: the hot path compares, never asks
 # whether a limit is there.
-NONE = 1 << 62
+UNLIMITED = 1 << 62
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,7 +58,7 @@ class Ask:
 
     subject: str
     limits: RateLimits
-    rpm: int = field(init=False, compare=False, repr=False)  # NONE when not set
+    rpm: int = field(init=False, compare=False, repr=False)  # UNLIMITED when not set
     tpm: int = field(init=False, compare=False, repr=False)
     concurrent: int = field(init=False, compare=False, repr=False)
     alone: tuple[str, ...] = field(init=False, compare=False, repr=False)  # (subject,)
@@ -69,9 +69,9 @@ class Ask:
     def __post_init__(self) -> None:
         rpm, tpm, concurrent = self.limits.rpm, self.limits.tpm, self.limits.concurrent
         made = object.__setattr__
-        made(self, "rpm", NONE if rpm is None else rpm)
-        made(self, "tpm", NONE if tpm is None else tpm)
-        made(self, "concurrent", NONE if concurrent is None else concurrent)
+        made(self, "rpm", UNLIMITED if rpm is None else rpm)
+        made(self, "tpm", UNLIMITED if tpm is None else tpm)
+        made(self, "concurrent", UNLIMITED if concurrent is None else concurrent)
         made(self, "alone", (self.subject,))
         made(self, "limit_requests", None if rpm is None else (LIMIT_REQUESTS, b"%d" % rpm))
         made(self, "limit_tokens", None if tpm is None else (LIMIT_TOKENS, b"%d" % tpm))
@@ -377,13 +377,8 @@ class Limiter:
                 window = Window()
             else:
                 window.expire(now)
-            limits = ask.limits
-            tpm, rpm, concurrent = limits.tpm, limits.rpm, limits.concurrent
-            if (
-                (tpm is not None and window.used + window.reserved + estimate > tpm)
-                or (concurrent is not None and window.held >= concurrent)
-                or (rpm is not None and window.admitted >= rpm)
-            ):
+            wanted = window.used + window.reserved + estimate
+            if wanted > ask.tpm or window.admitted >= ask.rpm or window.held >= ask.concurrent:
                 return self._refused(asks, estimate, now)
             windows.append(window)
         requests: tuple[int, int] | None = None  # (left, limit) in the tightest subject
